@@ -1,0 +1,91 @@
+"""Hugging Face tensor names <-> our stacked parameter tree (one mapping, both ways)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from osd_jax.models.config import LlamaConfig
+
+# Our per-layer name -> Hugging Face name inside `model.layers.{i}.`.
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that is missing, corrupt or of an unsupported kind."""
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict:
+  """Stacks HF-layout tensors ([out, in] linears) into our tree ([in, out])."""
+  dtype = config.jnp_param_dtype
+
+  def get(name):
+    if name not in tensors:
+      raise CheckpointError(f"Checkpoint has no tensor {name!r}.")
+    return np.asarray(tensors[name], np.float32)
+
+  layers = {}
+  for ours, theirs in LAYER_NAMES.items():
+    per_layer = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
+    stacked = np.stack(per_layer)
+    layers[ours] = stacked if stacked.ndim == 2 else stacked.swapaxes(1, 2)
+  params = {"embed": get(EMBED), "layers": layers,
+            "final_norm": get(FINAL_NORM)}
+  if not config.tie_embeddings:
+    head = get(LM_HEAD) if LM_HEAD in tensors else get(EMBED)
+    if config.head_token_ids is not None and head.shape[0] == config.vocab_size:
+      head = head[np.asarray(config.head_token_ids)]
+    params["lm_head"] = head.T
+  expected = config.num_params()
+  got = sum(np.size(x) for x in _leaves(params))
+  if got != expected:
+    raise CheckpointError(
+        f"Tensor shapes do not match the config: {got} parameters, expected"
+        f" {expected}.")
+  return _cast(params, dtype)
+
+
+def params_to_hf(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
+  """Our tree back to HF names and [out, in] layout, as float32 numpy."""
+  tensors = {EMBED: np.asarray(params["embed"], np.float32),
+             FINAL_NORM: np.asarray(params["final_norm"], np.float32)}
+  for ours, theirs in LAYER_NAMES.items():
+    stacked = np.asarray(params["layers"][ours], np.float32)
+    for i in range(config.num_layers):
+      w = stacked[i]
+      tensors[f"model.layers.{i}.{theirs}"] = w if w.ndim == 1 else w.T.copy()
+  if not config.tie_embeddings:
+    head = np.asarray(params["lm_head"], np.float32).T
+    if config.head_token_ids is not None:
+      # Plain Llama has no restricted head: rows outside it are zero and the
+      # ids go into config.json, which our loader reads back exactly.
+      full = np.zeros((config.vocab_size, config.hidden_dim), np.float32)
+      full[np.asarray(config.head_token_ids)] = head
+      head = full
+    tensors[LM_HEAD] = head
+  return tensors
+
+
+def _leaves(tree):
+  if isinstance(tree, dict):
+    for value in tree.values():
+      yield from _leaves(value)
+  else:
+    yield tree
+
+
+def _cast(tree, dtype):
+  if isinstance(tree, dict):
+    return {k: _cast(v, dtype) for k, v in tree.items()}
+  return jnp.asarray(tree, dtype)

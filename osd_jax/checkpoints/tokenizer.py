@@ -1,0 +1,55 @@
+"""Tokenizers: rebuilt from GGUF metadata, or read from an HF directory."""
+
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+# llama.cpp token types: 3 marks control tokens such as <|im_start|>.
+_CONTROL = 3
+# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre`; "smollm" splits every
+# digit apart before the GPT-2 byte-level regex (as in SmolLM2's tokenizer.json).
+_SPLIT_DIGITS = {"smollm": True, "gpt2": False, "default": False}
+
+
+def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
+  """A byte-level BPE tokenizer from `tokenizer.ggml.*` metadata values."""
+  model_kind = fields.get("tokenizer.ggml.model")
+  if model_kind != "gpt2":
+    raise ValueError(
+        f"GGUF tokenizer model {model_kind!r} is not supported (only"
+        " byte-level BPE, 'gpt2').")
+  pre = fields.get("tokenizer.ggml.pre", "default")
+  if pre not in _SPLIT_DIGITS:
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported.")
+  tokens = fields["tokenizer.ggml.tokens"]
+  vocab = {token: i for i, token in enumerate(tokens)}
+  merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if _SPLIT_DIGITS[pre]:
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+  else:
+    tok.pre_tokenizer = byte_level
+  tok.decoder = decoders.ByteLevel()
+  specials = [t for t, kind in zip(tokens, fields["tokenizer.ggml.token_type"])
+              if kind == _CONTROL]
+  tok.add_special_tokens(specials)
+
+  def token(key):
+    index = fields.get(f"tokenizer.ggml.{key}_token_id")
+    return None if index is None else tokens[index]
+
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token=token("bos"), eos_token=token("eos"),
+      unk_token=token("unknown"), pad_token=token("padding") or token("eos"),
+      chat_template=fields.get("tokenizer.chat_template"))
+
+
+def from_hf_dir(path: str) -> transformers.PreTrainedTokenizerBase:
+  """The tokenizer saved in an HF checkpoint directory (no network)."""
+  return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def same_vocabulary(a, b) -> bool:
+  """True when both tokenizers map every token string to the same id."""
+  return len(a) == len(b) and a.get_vocab() == b.get_vocab()

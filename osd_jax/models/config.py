@@ -1,0 +1,89 @@
+"""One frozen config for every Llama-family model; draft and target are two instances."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from osd_jax.models import kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Architecture of a Llama-family decoder (RMSNorm, RoPE, GQA, SiLU-gated MLP)."""
+
+  vocab_size: int
+  hidden_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  rms_eps: float = 1e-5
+  tie_embeddings: bool = True
+  # A draft may score only a subset of the vocabulary: its head has one row per
+  # id here and every other token gets probability 0. None means the full vocab.
+  head_token_ids: tuple[int, ...] | None = None
+  max_positions: int = 8192
+  param_dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype of activations
+  bos_id: int | None = 1
+  eos_id: int = 2
+  pad_id: int = 2
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of"
+          f" num_kv_heads={self.num_kv_heads}")
+    if self.head_token_ids is not None:
+      if self.tie_embeddings:
+        raise ValueError("A restricted head cannot be tied to the embeddings.")
+      if max(self.head_token_ids) >= self.vocab_size:
+        raise ValueError("head_token_ids has ids outside the vocabulary.")
+
+  @property
+  def head_size(self) -> int:
+    """Number of output rows of the head (the vocabulary unless restricted)."""
+    if self.head_token_ids is None:
+      return self.vocab_size
+    return len(self.head_token_ids)
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **changes) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+  def init_cache(self, batch_size: int, cache_size: int) -> kv_cache.KVCache:
+    """An empty KV cache holding `cache_size` positions per sequence."""
+    if cache_size > self.max_positions:
+      raise ValueError(
+          f"cache_size={cache_size} exceeds the model's context of"
+          f" {self.max_positions} positions.")
+    return kv_cache.KVCache.empty(
+        num_layers=self.num_layers, batch_size=batch_size,
+        cache_size=cache_size, num_kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim, dtype=self.jnp_dtype)
+
+  def num_params(self) -> int:
+    """Parameter count, embeddings and head included."""
+    d, f = self.hidden_dim, self.mlp_dim
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_embeddings else d * self.head_size
+    return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+def tiny(vocab_size: int = 64, num_layers: int = 2, **overrides) -> LlamaConfig:
+  """A small random-init config for tests and CPU smoke runs."""
+  fields = dict(vocab_size=vocab_size, hidden_dim=32, num_layers=num_layers,
+                num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                max_positions=512, bos_id=1, eos_id=2, pad_id=0)
+  fields.update(overrides)
+  return LlamaConfig(**fields)
