@@ -1,0 +1,76 @@
+"""Ring buffer of served sequences for distillation: fixed shapes, on device."""
+
+import flax
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class Buffer:
+  """`capacity` sequences of `max_len` tokens, `gen_len` of them generated.
+
+  Only generated positions carry a loss, so weights and teacher are stored
+  for those alone. Memory per sample: 4 max_len + gen_len (4 + 8 teacher_k)
+  + 13 bytes; e.g. max_len 192, gen_len 64, top-32: 17.4 KB.
+  """
+
+  tokens: jax.Array  # [capacity, max_len] int32, prompt then generated tokens
+  # Position whose prediction is the first generated token (prompt length - 1).
+  gen_start: jax.Array  # [capacity] int32
+  # Weight of the prediction of generated token g; zero past the end.
+  loss_weight: jax.Array  # [capacity, gen_len] float32
+  teacher_ids: jax.Array  # [capacity, gen_len, teacher_k] int32
+  teacher_probs: jax.Array  # [capacity, gen_len, teacher_k] float32
+  category: jax.Array  # [capacity] int32
+  is_valid: jax.Array  # [capacity] bool
+  next_slot: jax.Array  # [] int32, where the next sample goes
+  num_added: jax.Array  # [] int32, samples added since the buffer was made
+
+  @classmethod
+  def empty(cls, capacity: int, max_len: int, gen_len: int,
+            teacher_k: int) -> "Buffer":
+    """teacher_k 0 keeps no teacher: the update then recomputes it."""
+    return cls(
+        tokens=jnp.zeros((capacity, max_len), jnp.int32),
+        gen_start=jnp.zeros((capacity,), jnp.int32),
+        loss_weight=jnp.zeros((capacity, gen_len), jnp.float32),
+        teacher_ids=jnp.zeros((capacity, gen_len, teacher_k), jnp.int32),
+        teacher_probs=jnp.zeros((capacity, gen_len, teacher_k), jnp.float32),
+        category=jnp.zeros((capacity,), jnp.int32),
+        is_valid=jnp.zeros((capacity,), bool),
+        next_slot=jnp.zeros((), jnp.int32),
+        num_added=jnp.zeros((), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def keeps_teacher(self) -> bool:
+    return self.teacher_ids.shape[-1] > 0
+
+  def add(self, tokens_BxL, gen_start_B, loss_weight_BxG, teacher_ids_BxGxK,
+          teacher_probs_BxGxK, category_B, is_new_B) -> "Buffer":
+    """Writes the rows with is_new into consecutive slots, oldest overwritten."""
+    order = jnp.cumsum(is_new_B) - 1
+    slots = jnp.where(is_new_B, (self.next_slot + order) % self.capacity,
+                      self.capacity)  # out of range: dropped by mode="drop"
+
+    def put(store, rows):
+      return store.at[slots].set(rows.astype(store.dtype), mode="drop")
+
+    added = is_new_B.sum().astype(jnp.int32)
+    return self.replace(
+        tokens=put(self.tokens, tokens_BxL),
+        gen_start=put(self.gen_start, gen_start_B),
+        loss_weight=put(self.loss_weight, loss_weight_BxG),
+        teacher_ids=put(self.teacher_ids, teacher_ids_BxGxK),
+        teacher_probs=put(self.teacher_probs, teacher_probs_BxGxK),
+        category=put(self.category, category_B),
+        is_valid=put(self.is_valid, jnp.ones_like(is_new_B)),
+        next_slot=(self.next_slot + added) % self.capacity,
+        num_added=self.num_added + added)
+
+  def cleared(self) -> "Buffer":
+    """All slots invalid (the paper clears the buffer after each update)."""
+    return self.replace(is_valid=jnp.zeros_like(self.is_valid))

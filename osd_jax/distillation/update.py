@@ -1,0 +1,114 @@
+"""One distillation step on the buffer: only the draft is differentiated."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from osd_jax.decoding.sampling import Sampling
+from osd_jax.distillation import losses, teacher
+from osd_jax.distillation.buffer import Buffer
+from osd_jax.models import llama
+from osd_jax.models.config import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """How the draft learns; defaults are the paper's published setting."""
+
+  loss: str = "fkl"
+  beta: float = 0.5  # generalised JSD weight
+  temperature: float = 1.0  # of the loss, not of serving
+  optimizer: str = "adamw"
+  learning_rate: float = 1e-4
+  schedule: str = "constant"  # or "cosine", "linear_warmup"
+  schedule_steps: int = 1000  # decay / warm-up length in updates
+  weight_decay: float = 0.0
+  clip_norm: float = 0.0  # 0 = no clipping
+
+  def __post_init__(self):
+    losses.divergence(self.loss, self.beta)  # raises on an unknown name
+    if self.temperature <= 0:
+      raise ValueError(f"Loss temperature must be > 0, got {self.temperature}.")
+
+
+def make_optimizer(cfg: DistillConfig) -> optax.GradientTransformation:
+  """AdamW with a constant rate by default; schedule, clipping, optimizer by name."""
+  lr = cfg.learning_rate
+  schedules = {
+      "constant": lambda: lr,
+      "cosine": lambda: optax.cosine_decay_schedule(lr, cfg.schedule_steps),
+      "linear_warmup": lambda: optax.linear_schedule(0.0, lr, cfg.schedule_steps),
+  }
+  if cfg.schedule not in schedules:
+    raise ValueError(f"Unknown schedule {cfg.schedule!r}: {sorted(schedules)}.")
+  rate = schedules[cfg.schedule]()
+  optimizers = {
+      "adamw": lambda: optax.adamw(rate, weight_decay=cfg.weight_decay),
+      "adam": lambda: optax.adam(rate),
+      "sgd": lambda: optax.sgd(rate),
+  }
+  if cfg.optimizer not in optimizers:
+    raise ValueError(f"Unknown optimizer {cfg.optimizer!r}: {sorted(optimizers)}.")
+  parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
+  return optax.chain(*parts, optimizers[cfg.optimizer]())
+
+
+def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:
+  """Final hidden states at the positions that predict generated tokens."""
+  hidden_NxLxD, _ = llama.forward(params, config, buffer.tokens)
+  gen_len = buffer.loss_weight.shape[1]
+  positions = buffer.gen_start[:, None] + jnp.arange(gen_len)
+  positions = jnp.minimum(positions, buffer.tokens.shape[1] - 1)
+  return jnp.take_along_axis(hidden_NxLxD, positions[..., None], axis=1)
+
+
+def teacher_probs(target_params, target_config: LlamaConfig, buffer: Buffer,
+                  sampling: Sampling) -> jax.Array:
+  """The target's distributions at generated positions [N, G, V].
+
+  From the top-k kept at verification when the buffer has them; otherwise
+  recomputed with one target forward (the prototype's way, and dearer).
+  """
+  if buffer.keeps_teacher:
+    return teacher.dense(buffer.teacher_ids, buffer.teacher_probs,
+                         target_config.vocab_size)
+  hidden = _generated_hidden(target_params, target_config, buffer)
+  return sampling.probs(llama.logits(target_params, target_config, hidden))
+
+
+def loss_fn(draft_params, draft_config: LlamaConfig, buffer: Buffer,
+            p_NxGxV: jax.Array, cfg: DistillConfig) -> tuple[jax.Array, jax.Array]:
+  """(weighted mean divergence over valid samples, total weight)."""
+  hidden = _generated_hidden(draft_params, draft_config, buffer)
+  # Loss over the draft head's own rows: a restricted head cannot put mass
+  # elsewhere, so the teacher is renormalised onto those rows.
+  student_logits = llama.head_logits(draft_params, draft_config, hidden)
+  p = teacher.on_support(jax.lax.stop_gradient(p_NxGxV),
+                         draft_config.head_token_ids)
+  p, log_q = losses.tempered(p, student_logits, cfg.temperature)
+  per_position = losses.divergence(cfg.loss, cfg.beta)(p, log_q)
+  weight = buffer.loss_weight * buffer.is_valid[:, None]
+  total = weight.sum()
+  return (per_position * weight).sum() / jnp.maximum(total, 1.0), total
+
+
+def apply_update(draft_params, opt_state, grads, loss, optimizer,
+                 axis_name: str | None = None):
+  """Averages grads over devices, then steps unless anything is non-finite.
+
+  Returns (params, opt_state, was_applied). A skipped step leaves params and
+  optimizer state exactly as they were, so serving never sees a NaN.
+  """
+  if axis_name is not None:
+    grads = jax.lax.pmean(grads, axis_name)
+    loss = jax.lax.pmean(loss, axis_name)
+  is_finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
+      [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  updates, new_opt_state = optimizer.update(grads, opt_state, draft_params)
+  new_params = optax.apply_updates(draft_params, updates)
+  keep = lambda new, old: jax.tree.map(
+      lambda n, o: jnp.where(is_finite, n, o), new, old)
+  return (keep(new_params, draft_params), keep(new_opt_state, opt_state),
+          is_finite)

@@ -1,0 +1,26 @@
+"""Shared pytest set-up: absl flags parsed, fake CPU devices, the real model once."""
+
+import os
+
+# Eight fake CPU devices for the multi-device tests; must precede backend start.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+from absl import flags  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
+
+flags.FLAGS.mark_as_parsed()
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "real_model: loads the real SmolLM2 target (slow; run in CI)")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """The embedded default target, loaded once per test session."""
+  from osd_jax.checkpoints import loading  # pylint: disable=g-import-not-at-top
+  return loading.load()
