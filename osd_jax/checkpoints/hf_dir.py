@@ -19,7 +19,11 @@ def read_config(path: str, *, param_dtype: str, dtype: str) -> LlamaConfig:
 
   if not os.path.isfile(os.path.join(path, "config.json")):
     raise layout.CheckpointError(f"{path} has no config.json.")
-  hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+  try:
+    hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+  except (ValueError, OSError) as e:  # unknown model_type, malformed JSON
+    raise layout.CheckpointError(
+        f"{path}: config.json is not a supported Llama-family config: {e}") from e
   archs = set(getattr(hf, "architectures", None) or [])
   if not archs & _SUPPORTED:
     raise layout.CheckpointError(

@@ -74,7 +74,9 @@ def params_to_hf(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
       full[np.asarray(config.head_token_ids)] = head
       head = full
     tensors[LM_HEAD] = head
-  return tensors
+  # safetensors.numpy writes an array's raw buffer whatever its strides, so a
+  # transposed view would be saved scrambled: hand it C-contiguous arrays only.
+  return {name: np.ascontiguousarray(w) for name, w in tensors.items()}
 
 
 def _leaves(tree):

@@ -65,7 +65,7 @@ def _glob(spec_name: str, folder: pathlib.Path, patterns: tuple[str, ...], what:
     """Files under `folder` (any depth) matching one of `patterns`, sorted; an error if none."""
     found = sorted({p for pattern in patterns for p in folder.rglob(pattern) if p.is_file()})
     if not found:
-        raise _missing(spec_name, folder, what)
+        raise _missing(spec_name, folder, f"{what} (searched at any depth)")
     return found
 
 
@@ -113,7 +113,10 @@ def load_spider(folder: pathlib.Path) -> Splits:
     train, dev = _require("spider", folder, ("train_spider.json", "dev.json"))
     tables = folder / "tables.json"
     schemas = spider_schemas(tables) if tables.is_file() else {}
-    return {common.TRAIN: _spider_examples(train, "train", schemas), common.EVAL: _spider_examples(dev, "dev", schemas)}
+    return {
+        common.TRAIN: _spider_examples(train, "train", schemas),
+        common.EVAL: _spider_examples(dev, "dev", schemas),
+    }
 
 
 # --- GSM8K ----------------------------------------------------------------

@@ -204,7 +204,9 @@ def run_gold(connection: sqlite3.Connection, query: str) -> list[tuple]:
     return connection.execute(query).fetchall()
 
 
-def sql_examples(num_candidates: int, seed: int, schemas: tuple[Schema, ...] | None = None) -> Iterator[common.Example]:
+def sql_examples(
+    num_candidates: int, seed: int, schemas: tuple[Schema, ...] | None = None
+) -> Iterator[common.Example]:
     """Up to `num_candidates` generated questions, each gold query executed before it is kept."""
     schemas = schemas or default_schemas()
     rows = {s.name: generate_rows(s, seed) for s in schemas}

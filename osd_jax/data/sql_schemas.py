@@ -90,7 +90,8 @@ class Schema:
 
 def format_prompt(ddl: str, question: str) -> str:
     """The user's request: schema, question, and what to return (Spider's prompts use it too)."""
-    return f"Given this SQLite database schema:\n\n{ddl}\n\nWrite an SQL query that answers the question: {question}"
+    return (f"Given this SQLite database schema:\n\n{ddl}\n\n"
+            f"Write an SQL query that answers the question: {question}")
 
 
 def _people() -> tuple[str, ...]:
@@ -158,7 +159,8 @@ def default_schemas() -> tuple[Schema, ...]:
     ))
     flights = Schema("flights", (
         Table("airlines", "airline", "airlines", (
-            _id(), Column("name", "name", "names", tuple(f"{c} Air" for c in _CITIES) + ("Polar Wings", "Sunline")),
+            _id(),
+            Column("name", "name", "names", tuple(f"{c} Air" for c in _CITIES) + ("Polar Wings", "Sunline")),
             Column("alliance", "category", "alliance", ("Star", "Oneworld", "SkyTeam", "none")),
             Column("fleet_size", "number", "fleet size", low=10, high=400),
         ), 10),

@@ -143,6 +143,7 @@ def make_stream(
     data_dir: str | os.PathLike | None = None,
     manual_dir: str | os.PathLike | None = None,
     pool_size: int | None = None,
+    data_seed: int = 0,
 ) -> list[Request]:
     """A deterministic stream of `num_requests` requests; `kind` is one of stream_names().
 
@@ -150,7 +151,9 @@ def make_stream(
     ("spider", "gsm8k", "code_search_net_python", "finance_alpaca" or
     "finance", "lmsys_chat"), or a key of `sources`, which adds to or
     overrides the defaults (see `sources.builder_source`, `examples_source`).
-    `pool_size` caps how many examples per split each default source prepares.
+    `pool_size` caps how many examples per split each default source prepares;
+    `data_seed` picks which examples those are (kept apart from `seed`, which
+    only orders the stream, so streams of several seeds share one data set).
     """
     if kind not in stream_names():
         raise ValueError(f"Unknown stream kind {kind!r}; valid: {', '.join(stream_names())}")
@@ -160,7 +163,9 @@ def make_stream(
         raise ValueError("domains must name at least one source")
     if kind == "single" and len(domains) != 1:
         raise ValueError(f"a 'single' stream takes one domain, got {list(domains)}")
-    available = dict(default_sources(data_dir=data_dir, manual_dir=manual_dir, pool_size=pool_size, seed=seed))
+    available = dict(
+        default_sources(data_dir=data_dir, manual_dir=manual_dir, pool_size=pool_size, seed=data_seed)
+    )
     available.update(sources or {})
     unknown = [d for d in domains if d not in available]
     if unknown:

@@ -15,8 +15,9 @@ def prefill(params: llama.Params, config: LlamaConfig, prompts_BxP: jax.Array,
   Prompts are right-padded; pad positions are written too but lie beyond the
   returned lengths, so the next append overwrites them.
   """
-  hidden_BxPxD, cache = llama.forward(params, config, prompts_BxP,
-                                      cache.with_lengths(jnp.zeros_like(prompt_lens_B)))
+  hidden_BxPxD, cache = llama.forward(
+      params, config, prompts_BxP,
+      cache.with_lengths(jnp.zeros_like(prompt_lens_B)), cache_is_empty=True)
   last = jnp.maximum(prompt_lens_B - 1, 0)
   hidden_BxD = jnp.take_along_axis(hidden_BxPxD, last[:, None, None], axis=1)[:, 0]
   return llama.logits(params, config, hidden_BxD), cache.with_lengths(prompt_lens_B)

@@ -38,7 +38,8 @@ class Sampling:
       return logits
     logits = logits / self.temperature
     if self.top_k:
-      kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
+      # top_k beyond the vocabulary keeps everything (lax.top_k would raise).
+      kth = jax.lax.top_k(logits, min(self.top_k, logits.shape[-1]))[0][..., -1:]
       logits = jnp.where(logits < kth, -jnp.inf, logits)
     if self.top_p < 1.0:
       sorted_desc = -jnp.sort(-logits, axis=-1)

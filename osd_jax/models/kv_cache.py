@@ -25,21 +25,29 @@ class KVCache:
     """Positions per sequence."""
     return self.k.shape[2]
 
-  def write(self, new_k_LxBxTxHxD: jax.Array,
-            new_v_LxBxTxHxD: jax.Array) -> "KVCache":
+  def write(self, new_k_LxBxTxHxD: jax.Array, new_v_LxBxTxHxD: jax.Array, *,
+            is_empty: bool = False) -> "KVCache":
     """Stores T new positions per row at that row's length (lengths unchanged).
 
-    The caller must keep lengths + T <= size: dynamic_update_slice clamps an
-    out-of-range start silently, which would overwrite valid positions.
+    Positions at or beyond `size` are dropped, so the caller must keep
+    lengths + T <= size. `is_empty` (all lengths 0) writes from position 0.
     """
-    def write_row(cache_LxSxHxD, new_LxTxHxD, start):
-      return jax.lax.dynamic_update_slice(
-          cache_LxSxHxD, new_LxTxHxD.astype(cache_LxSxHxD.dtype),
-          (0, start, 0, 0))
-
-    write_rows = jax.vmap(write_row, in_axes=(1, 1, 0), out_axes=1)
-    return self.replace(k=write_rows(self.k, new_k_LxBxTxHxD, self.lengths),
-                        v=write_rows(self.v, new_v_LxBxTxHxD, self.lengths))
+    t = new_k_LxBxTxHxD.shape[2]
+    if is_empty:
+      pad = ((0, 0), (0, 0), (0, self.size - t), (0, 0), (0, 0))
+      return self.replace(k=jnp.pad(new_k_LxBxTxHxD.astype(self.k.dtype), pad),
+                          v=jnp.pad(new_v_LxBxTxHxD.astype(self.v.dtype), pad))
+    # One masked select per new token. XLA turns each into an in-place update
+    # of one position; a vmapped dynamic_update_slice became a full copy of
+    # the cache (measured 57 ms per call for 47 MB on CPU, donated).
+    positions_S = jnp.arange(self.size)
+    k, v = self.k, self.v
+    for i in range(t):
+      at_BxS = positions_S[None, :] == (self.lengths + i)[:, None]
+      at = at_BxS[None, :, :, None, None]
+      k = jnp.where(at, new_k_LxBxTxHxD[:, :, i:i + 1].astype(k.dtype), k)
+      v = jnp.where(at, new_v_LxBxTxHxD[:, :, i:i + 1].astype(v.dtype), v)
+    return self.replace(k=k, v=v)
 
   def with_lengths(self, lengths_B: jax.Array) -> "KVCache":
     """Same storage, new valid lengths: this is how rejected tokens roll back."""

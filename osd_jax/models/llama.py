@@ -109,13 +109,16 @@ def _layer(config: LlamaConfig, x, layer, cached_k, cached_v, positions,
 
 
 def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
-            cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+            cache: KVCache | None = None, *,
+            cache_is_empty: bool = False) -> tuple[jax.Array, KVCache | None]:
   """Final hidden states of T new tokens and the cache with them appended.
 
   With a cache, token t of row b sits at position cache.lengths[b] + t and
   attends to that row's valid cache plus the new tokens up to itself; the
   returned cache holds the new keys/values and lengths advanced by T. Without
   a cache the tokens start at position 0 (training and scoring).
+  `cache_is_empty` (prefill into a cache of lengths 0) skips reading the
+  cache: faster, and XLA need not constant-fold attention over zeros.
   """
   t = tokens_BxT.shape[1]
   dtype = config.jnp_dtype
@@ -126,6 +129,8 @@ def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
 
   def step(x, layer_and_cache):
     layer, cached_k, cached_v = layer_and_cache
+    if cache_is_empty:
+      cached_k = cached_v = None
     x, k, v = _layer(config, x, layer, cached_k, cached_v, positions_BxT,
                      lengths)
     return x, (k, v)
@@ -137,7 +142,8 @@ def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
   else:
     x, (new_k, new_v) = jax.lax.scan(step, x,
                                      (params["layers"], cache.k, cache.v))
-    new_cache = cache.write(new_k, new_v).with_lengths(cache.lengths + t)
+    new_cache = cache.write(new_k, new_v, is_empty=cache_is_empty).with_lengths(
+        cache.lengths + t)
   return rms_norm(x, params["final_norm"], config.rms_eps), new_cache
 
 

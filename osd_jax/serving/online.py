@@ -149,11 +149,14 @@ def _distill(target_params, params, opt_state, buffer: Buffer, tcfg, dcfg,
 
 
 def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
-                    category_B, draft_index, *, target_config: LlamaConfig,
+                    is_real_B, draft_index, *, target_config: LlamaConfig,
                     draft_config: LlamaConfig, cfg: OnlineConfig,
-                    axis_name: str | None = None,
-                    num_devices: int = 1) -> tuple[OnlineState, StepOutput]:
-  """One batch on one device (inside shard_map when axis_name is set)."""
+                    axis_name: str | None = None) -> tuple[OnlineState, StepOutput]:
+  """One batch on one device (inside shard_map when axis_name is set).
+
+  Rows with is_real False pad the last batch: served, but neither buffered
+  nor counted towards the update interval.
+  """
   pick = lambda tree: jax.tree.map(lambda x: x[draft_index], tree)
   params, opt_state = pick(state.draft_params), pick(state.opt_state)
   buffer = pick(jax.tree.map(lambda x: x[0], state.buffer))
@@ -166,9 +169,12 @@ def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
                        teacher_k=cfg.teacher_k)
   rows = _training_rows(target_params, params, prompts_BxP, lens_B, served,
                         sample_rng, target_config, draft_config, cfg)
-  buffer = buffer.add(rows[0], lens_B - 1, *rows[1:], category_B,
-                      jnp.ones(lens_B.shape, bool))
-  since = state.since_update[draft_index] + lens_B.shape[0] * num_devices
+  buffer = buffer.add(rows[0], lens_B - 1, *rows[1:],
+                      jnp.full(lens_B.shape, draft_index), is_real_B)
+  new_requests = is_real_B.sum().astype(jnp.int32)
+  if axis_name is not None:
+    new_requests = jax.lax.psum(new_requests, axis_name)
+  since = state.since_update[draft_index] + new_requests
   do_update = since >= cfg.update_interval
 
   def learn(operand):
@@ -206,11 +212,9 @@ def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
 
 def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig,
               draft_config: LlamaConfig, cfg: OnlineConfig):
-  """The jitted, shard_mapped step: (target_params, state, prompts, lens, cat, d)."""
-  num_devices = mesh.size
+  """The jitted, shard_mapped step: (target_params, state, prompts, lens, is_real, d)."""
   step = functools.partial(serve_and_learn, target_config=target_config,
-                           draft_config=draft_config, cfg=cfg, axis_name=AXIS,
-                           num_devices=num_devices)
+                           draft_config=draft_config, cfg=cfg, axis_name=AXIS)
   state_specs = OnlineState(P(), P(), P(AXIS), P(AXIS), P(), P(), P())
   out_specs = StepOutput(P(AXIS), P(AXIS), P(AXIS), P(), P(), P())
   sharded = jax.shard_map(

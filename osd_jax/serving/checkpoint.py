@@ -1,0 +1,77 @@
+"""Orbax checkpoints of the online state plus the host's stream position."""
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from osd_jax.checkpoints.layout import CheckpointError
+from osd_jax.serving.online import OnlineState
+
+
+def _to_key_data(state: OnlineState) -> OnlineState:
+  """Typed PRNG keys as raw uint32 data, which orbax can store."""
+  return state.replace(rng=jax.random.key_data(state.rng))
+
+
+class Checkpointer:
+  """Saves every N requests and at exit; refuses to mix incompatible runs."""
+
+  def __init__(self, directory: str, run_config: dict, *, resume: bool,
+               max_to_keep: int = 2):
+    self.directory = os.path.abspath(directory)
+    self.run_config = json.loads(json.dumps(run_config, default=str))
+    config_file = os.path.join(self.directory, "run_config.json")
+    has_checkpoints = os.path.isdir(self.directory) and any(
+        name.isdigit() for name in os.listdir(self.directory))
+    if has_checkpoints and not resume:
+      raise CheckpointError(
+          f"{self.directory} already holds checkpoints: pass --resume to"
+          " continue that run, or choose another --checkpoint_dir.")
+    if has_checkpoints:
+      try:
+        saved = json.load(open(config_file))
+      except (OSError, ValueError) as e:
+        raise CheckpointError(f"Cannot read {config_file}: {e}") from e
+      diff = {k: (saved.get(k), v) for k, v in self.run_config.items()
+              if saved.get(k) != v}
+      if diff:
+        raise CheckpointError(
+            f"Checkpoint in {self.directory} was made with other settings"
+            f" (saved, now): {diff}")
+    os.makedirs(self.directory, exist_ok=True)
+    with open(config_file, "w") as f:
+      json.dump(self.run_config, f, indent=2)
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                             enable_async_checkpointing=False))
+
+  def save(self, step: int, state: OnlineState, host: dict) -> None:
+    """Writes state and host-side progress (stream position, counters)."""
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_to_key_data(state)),
+        host=ocp.args.JsonSave(host)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore_latest(self, template: OnlineState):
+    """(state, host) of the newest checkpoint, or None if there is none."""
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                            _to_key_data(template))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract),
+          host=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f"Checkpoint {step} in {self.directory} is corrupt or does not match"
+          f" this run's shapes: {type(e).__name__}: {e}") from e
+    state = restored.state
+    return state.replace(rng=jax.random.wrap_key_data(state.rng)), restored.host
+
+  def close(self) -> None:
+    self.manager.close()
