@@ -166,8 +166,9 @@ def main(argv):
   checkpointer.close()
   curves = {s["run"]: [r["alpha"] for r in read_jsonl(
       os.path.join(OUTPUT_DIR.value, f"{s['run']}.jsonl"))] for s in summaries}
-  boundaries = [(i, q.domain) for i, q in enumerate(queries)
-                if i == 0 or q.domain != queries[i - 1].domain]
+  served = read_jsonl(os.path.join(OUTPUT_DIR.value, f"{summaries[-1]['run']}.jsonl"))
+  boundaries = [(r["served"], r["domain"]) for i, r in enumerate(served)
+                if i == 0 or r["domain"] != served[i - 1]["domain"]]
   plots.rolling_alpha(curves, os.path.join(OUTPUT_DIR.value, "alpha.png"),
                       window=WINDOW.value, boundaries=boundaries,
                       title=f"{STREAM.value} stream, k={K.value}")

@@ -128,7 +128,8 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
           "queues": {str(k): v for k, v in batcher.queues.items()}})
 
   last_saved = served
-  for draft_index, indices in batcher.feed(draft_of, len(queries)):
+  for batch_number, (draft_index, indices) in enumerate(
+      batcher.feed(draft_of, len(queries))):
     ids = encode_prompts(target, [queries[i].prompt for i in indices], chat)
     fits = [len(x) <= cfg.prompt_len and len(x) >= 2 for x in ids]
     for i, ok, x in zip(indices, fits, ids):
@@ -153,15 +154,17 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
       served += 1
       on_request({
           "request": index, "served": served, "draft": draft_index,
+          "batch": batch_number,
           "category": queries[index].category, "domain": queries[index].domain,
           "alpha": m["alpha_sum"] / max(m["alpha_count"], 1.0),
           "acceptance_rate": m["accepted"] / max(m["proposed"], 1.0),
           "tokens_per_target_call": m["emitted"] / max(m["target_calls"], 1.0),
           "new_tokens": int(out.lengths[row]),
           "batch_seconds": seconds, "batch_tokens": batch_tokens,
-          "updated": bool(out.did_update) and row == len(kept) - 1,
-          "loss": float(out.loss) if out.did_update else None,
-          "update_applied": bool(out.update_applied),
+          # The batch's update (if any) is reported once, on its last request.
+          "loss": (float(out.loss) if out.did_update and row == len(kept) - 1
+                   else None),
+          "update_skipped": bool(out.did_update and not out.update_applied),
       })
     if checkpoint_every and served - last_saved >= checkpoint_every:
       save()
