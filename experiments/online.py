@@ -16,12 +16,12 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from experiments import model_flags, plots
+from experiments import model_flags, multihost_flags, plots
 from osd_jax.data import streams
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import losses, samples
 from osd_jax.distillation.update import DistillConfig
-from osd_jax.serving import driver, online
+from osd_jax.serving import distributed, driver, online
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.report import Reporter, read_jsonl
 
@@ -118,6 +118,7 @@ def summarize(name: str, path: str, tail: int) -> dict:
 
 def main(argv):
   del argv
+  multihost_flags.maybe_initialize()
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   num_devices = None if DEVICES.value == "all" else int(DEVICES.value)
@@ -145,25 +146,31 @@ def main(argv):
     # Same draft, same stream, an update interval beyond the stream: static.
     static = dataclasses.replace(cfg, update_interval=len(queries) + 1)
     runs.insert(0, ("static", static, None))
+  primary = distributed.is_primary()  # only process 0 writes results
   summaries = []
   for name, run_cfg, ckpt in runs:
     path = os.path.join(OUTPUT_DIR.value, f"{name}.jsonl")
     if name == "static" and RESUME.value and os.path.exists(path):
       print("static run already done; not repeated on resume")
     else:
-      reporter = Reporter(OUTPUT_DIR.value, name, window=WINDOW.value,
-                          append=RESUME.value and ckpt is not None)
+      reporter = (Reporter(OUTPUT_DIR.value, name, window=WINDOW.value,
+                           append=RESUME.value and ckpt is not None)
+                  if primary else None)
       start = time.perf_counter()
       driver.run_stream(target, draft, queries, run_cfg,
                         batch_size=BATCH_SIZE.value, mesh=mesh, seed=SEED.value,
                         chat=CHAT.value, categories=categories,
                         checkpointer=ckpt, checkpoint_every=CHECKPOINT_EVERY.value,
-                        on_request=reporter)
-      reporter.close()
-      print(f"[{name}] done in {time.perf_counter() - start:.0f} s,"
-            f" {reporter.skipped} prompts skipped (longer than --prompt_len)")
-    summaries.append(summarize(name, path, WINDOW.value))
+                        on_request=reporter or (lambda record: None))
+      if reporter is not None:
+        reporter.close()
+        print(f"[{name}] done in {time.perf_counter() - start:.0f} s,"
+              f" {reporter.skipped} prompts skipped (longer than --prompt_len)")
+    if primary:
+      summaries.append(summarize(name, path, WINDOW.value))
   checkpointer.close()
+  if not primary:
+    return
   curves = {s["run"]: [r["alpha"] for r in read_jsonl(
       os.path.join(OUTPUT_DIR.value, f"{s['run']}.jsonl"))] for s in summaries}
   served = read_jsonl(os.path.join(OUTPUT_DIR.value, f"{summaries[-1]['run']}.jsonl"))

@@ -10,11 +10,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from osd_jax.checkpoints.loading import LoadedModel
-from osd_jax.serving import online
+from osd_jax.serving import distributed, online
 from osd_jax.serving.checkpoint import Checkpointer
 
 
@@ -110,6 +109,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
   step = online.make_step(mesh, target_config=target.config,
                           draft_config=draft.config, cfg=cfg)
   state = state or online.init_state(draft.params, cfg, mesh.size, seed)
+  target_params = distributed.replicate(target.params, mesh)
   batcher = Batcher(batch_size, {})
   served = 0
   if checkpointer is not None:
@@ -127,6 +127,10 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
           "next_request": batcher.next_request, "served": served,
           "queues": {str(k): v for k, v in batcher.queues.items()}})
 
+  state = online.place_state(state, mesh)
+  rows = distributed.local_rows(batch_size)
+  put_rows = lambda x: distributed.from_local_rows(x[rows], mesh, online.AXIS,
+                                                   batch_size)
   last_saved = served
   for batch_number, (draft_index, indices) in enumerate(
       batcher.feed(draft_of, len(queries))):
@@ -142,10 +146,11 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
                                         batch_size, cfg.prompt_len,
                                         target.config.pad_id)
     start = time.perf_counter()
-    state, out = step(target.params, state, jnp.asarray(prompts),
-                      jnp.asarray(lens), jnp.asarray(is_real),
-                      jnp.int32(draft_index))
-    out = jax.device_get(out)
+    # Every host computes the same batch plan; each feeds only its own rows.
+    state, out = step(target_params, state, put_rows(prompts), put_rows(lens),
+                      put_rows(is_real), distributed.replicate(
+                          np.int32(draft_index), mesh))
+    out = distributed.gather(out)
     seconds = time.perf_counter() - start
     batch_tokens = int(out.lengths[is_real].sum())
     for row, index in enumerate(kept):
@@ -168,6 +173,10 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
       })
     if checkpoint_every and served - last_saved >= checkpoint_every:
       save()
-      last_saved = served
+      state = online.place_state(state, mesh)
+  rows = distributed.local_rows(batch_size)
+  put_rows = lambda x: distributed.from_local_rows(x[rows], mesh, online.AXIS,
+                                                   batch_size)
+  last_saved = served
   save()
   return state

@@ -19,6 +19,7 @@ from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import samples, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models.config import LlamaConfig
+from osd_jax.serving import distributed
 from osd_jax.serving.serve import Served, serve_batch
 
 AXIS = "data"
@@ -225,6 +226,16 @@ def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig,
 
 
 def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
-  """A 1-D mesh over the first num_devices local devices (all if None)."""
+  """A 1-D mesh over the first num_devices devices (all, every host, if None)."""
   devices = jax.devices()[:num_devices] if num_devices else jax.devices()
   return jax.sharding.Mesh(devices, (AXIS,))
+
+
+def place_state(state: OnlineState, mesh: jax.sharding.Mesh) -> OnlineState:
+  """Drafts and counters replicated; buffers and rng split across devices."""
+  rep = lambda t: distributed.replicate(t, mesh)
+  split = lambda t: distributed.shard_leading(t, mesh, AXIS)
+  return OnlineState(rep(state.draft_params), rep(state.opt_state),
+                     split(state.buffer), split(state.rng),
+                     rep(state.since_update), rep(state.num_updates),
+                     rep(state.num_skipped))
