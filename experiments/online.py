@@ -30,9 +30,9 @@ K = flags.DEFINE_integer("k", 4, "Draft tokens per speculative step.")
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Serving temperature; 0 = greedy.")
 TOP_P = flags.DEFINE_float("top_p", 1.0, "Serving nucleus mass.")
 TOP_K = flags.DEFINE_integer("top_k", 0, "Serving top-k; 0 = off.")
-MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 48, "Tokens per request.")
+MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per request.")
 PROMPT_LEN = flags.DEFINE_integer(
-    "prompt_len", 160, "Prompt capacity in tokens; longer prompts are skipped.")
+    "prompt_len", 192, "Prompt capacity in tokens; longer prompts are skipped.")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Requests per batch, all devices.")
 DEVICES = flags.DEFINE_string("devices", "all", "'all' or how many local devices.")
 CHAT = flags.DEFINE_bool("chat", True, "Wrap queries in the chat template.")
@@ -40,9 +40,11 @@ CHAT = flags.DEFINE_bool("chat", True, "Wrap queries in the chat template.")
 UPDATE_INTERVAL = flags.DEFINE_integer(
     "update_interval", 8, "I: requests between draft updates (paper: 8).")
 BUFFER_CAPACITY = flags.DEFINE_integer(
-    "buffer_capacity", 8, "Samples kept per device (and draft).")
+    "buffer_capacity", 16, "Samples kept per device (and draft).")
 KEEP_BUFFER = flags.DEFINE_bool(
-    "keep_buffer", False, "Keep the ring buffer after an update (paper clears it).")
+    "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
+    " is seen capacity / update_interval times (the paper clears it:"
+    " --nokeep_buffer --buffer_capacity=8).")
 TEACHER_TOPK = flags.DEFINE_integer(
     "teacher_topk", 32, "Keep the target's top-k from verification; 0 ="
     " recompute the teacher with a target forward at update time.")
@@ -50,8 +52,8 @@ LOSS = flags.DEFINE_enum("loss", "fkl", list(losses.NAMES), "Divergence.")
 LOSS_BETA = flags.DEFINE_float("loss_beta", 0.5, "Weight of the generalised JSD.")
 LOSS_TEMPERATURE = flags.DEFINE_float("loss_temperature", 1.0, "Distillation temperature.")
 LOSS_WEIGHTING = flags.DEFINE_enum(
-    "loss_weighting", "corrected", ["corrected", "all"],
-    "Distil on corrected/bonus tokens only (paper), or every generated token.")
+    "loss_weighting", "all", ["corrected", "all"],
+    "Distil on every generated token, or on corrected/bonus tokens only (paper).")
 SAMPLE_SOURCE = flags.DEFINE_enum("sample_source", "served", list(samples.SOURCES),
                                   "Where training tokens come from.")
 SOURCE_MIX = flags.DEFINE_float("source_mix", 0.5, "Target share for mixed sources.")
@@ -68,8 +70,8 @@ NUM_DRAFTS = flags.DEFINE_enum(
     "One shared draft, or one draft per request category.")
 # Stream.
 STREAM = flags.DEFINE_enum("stream", "shift", list(streams.stream_names()), "Stream kind.")
-DOMAINS = flags.DEFINE_list("domains", ["sql", "math", "code"], "Domains, in order.")
-NUM_REQUESTS = flags.DEFINE_integer("num_requests", 384, "Requests in the stream.")
+DOMAINS = flags.DEFINE_list("domains", ["math", "sql", "code"], "Domains, in order.")
+NUM_REQUESTS = flags.DEFINE_integer("num_requests", 240, "Requests in the stream.")
 CATEGORY_KEY = flags.DEFINE_enum("category_key", "domain", ["domain", "language"],
                                  "What routes a request to a per-category draft.")
 MANUAL_DIR = flags.DEFINE_string("manual_dir", None, "Folder of the paper's data sets.")

@@ -135,16 +135,39 @@ def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
                      lengths)
     return x, (k, v)
 
-  if cache is None:
-    x, _ = jax.lax.scan(lambda x, layer: step(x, (layer, None, None)), x,
-                        params["layers"])
-    new_cache = None
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    # Unstacked layers (see `unstack_layers`): a Python loop, unrolled.
+    new_k, new_v = [], []
+    for i, layer in enumerate(layers):
+      cached = (None, None) if cache is None else (cache.k[i], cache.v[i])
+      x, (k, v) = step(x, (layer,) + cached)
+      new_k.append(k)
+      new_v.append(v)
+    new_k, new_v = jnp.stack(new_k), jnp.stack(new_v)
+  elif cache is None:
+    x, (new_k, new_v) = jax.lax.scan(
+        lambda x, layer: step(x, (layer, None, None)), x, layers)
   else:
-    x, (new_k, new_v) = jax.lax.scan(step, x,
-                                     (params["layers"], cache.k, cache.v))
+    x, (new_k, new_v) = jax.lax.scan(step, x, (layers, cache.k, cache.v))
+  new_cache = None
+  if cache is not None:
     new_cache = cache.write(new_k, new_v, is_empty=cache_is_empty).with_lengths(
         cache.lengths + t)
   return rms_norm(x, params["final_norm"], config.rms_eps), new_cache
+
+
+def unstack_layers(params: Params) -> Params:
+  """The same weights with one array per layer: forward then loops in Python.
+
+  On CPU a scan's per-layer dynamic slice copies the weights, so a frozen
+  model decodes faster unrolled (at batch 1, 50-70 ms instead of 90-130 ms
+  per SmolLM2 token), for a longer compile (~10 s instead of ~2 s).
+  """
+  stacked = params["layers"]
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  layers = [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]
+  return dict(params, layers=layers)
 
 
 def head_logits(params: Params, config: LlamaConfig,
