@@ -17,95 +17,119 @@ from osd_jax.data.common import FIELDS, Example, default_data_dir, fill_splits
 
 @dataclasses.dataclass
 class QueryConfig(tfds.core.BuilderConfig):
-    """Sizes and seed; its name encodes them so each size gets its own directory."""
+  """Sizes and seed; its name encodes them so each size gets its own directory."""
 
-    num_train: int | None = None
-    num_eval: int | None = None
-    seed: int = 0
-    eval_percent: int = 10
+  num_train: int | None = None
+  num_eval: int | None = None
+  seed: int = 0
+  eval_percent: int = 10
 
-    @classmethod
-    def make(cls, num_train: int | None, num_eval: int | None, seed: int, eval_percent: int) -> "QueryConfig":
-        """A config named after its values, e.g. "train100_eval20_seed0_pct10"."""
-        def size(n: int | None) -> str:
-            return "all" if n is None else str(n)
+  @classmethod
+  def make(
+      cls, num_train: int | None, num_eval: int | None, seed: int, eval_percent: int
+  ) -> "QueryConfig":
+    """A config named after its values, e.g. "train100_eval20_seed0_pct10"."""
 
-        name = f"train{size(num_train)}_eval{size(num_eval)}_seed{seed}_pct{eval_percent}"
-        return cls(name=name, num_train=num_train, num_eval=num_eval, seed=seed, eval_percent=eval_percent)
+    def size(n: int | None) -> str:
+      return "all" if n is None else str(n)
+
+    name = f"train{size(num_train)}_eval{size(num_eval)}_seed{seed}_pct{eval_percent}"
+    return cls(
+        name=name,
+        num_train=num_train,
+        num_eval=num_eval,
+        seed=seed,
+        eval_percent=eval_percent,
+    )
 
 
 class QueryBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Base of all query builders: common features, sized config, train/eval splits.
+  """Base of all query builders: common features, sized config, train/eval splits.
 
-    Subclasses implement `_split_examples` (or `_examples` for a hash split).
-    They skip tfds registration: nothing here is looked up by name, and
-    re-importing a module under pytest must not collide with itself.
-    """
+  Subclasses implement `_split_examples` (or `_examples` for a hash split).
+  They skip tfds registration: nothing here is looked up by name, and
+  re-importing a module under pytest must not collide with itself.
+  """
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "First release."}
-    DESCRIPTION = ""
-    # Sizes used when the caller passes None; None here means "everything".
-    DEFAULT_NUM_TRAIN: int | None = None
-    DEFAULT_NUM_EVAL: int | None = None
-    # tfds looks for a checksums file next to the builder's code through
-    # `importlib_resources`, which is not installed on Python >= 3.9 and
-    # crashes `download_and_prepare`; nothing here is downloaded, so no checksums.
-    code_path = None
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "First release."}
+  DESCRIPTION = ""
+  # Sizes used when the caller passes None; None here means "everything".
+  DEFAULT_NUM_TRAIN: int | None = None
+  DEFAULT_NUM_EVAL: int | None = None
+  # tfds looks for a checksums file next to the builder's code through
+  # `importlib_resources`, which is not installed on Python >= 3.9 and
+  # crashes `download_and_prepare`; nothing here is downloaded, so no checksums.
+  code_path = None
 
-    def __init__(
-        self,
-        *,
-        num_train: int | None = None,
-        num_eval: int | None = None,
-        seed: int = 0,
-        eval_percent: int = 10,
-        data_dir: str | os.PathLike | None = None,
+  def __init__(
+      self,
+      *,
+      num_train: int | None = None,
+      num_eval: int | None = None,
+      seed: int = 0,
+      eval_percent: int = 10,
+      data_dir: str | os.PathLike | None = None,
+      **kwargs,
+  ):
+    num_train = self.DEFAULT_NUM_TRAIN if num_train is None else num_train
+    num_eval = self.DEFAULT_NUM_EVAL if num_eval is None else num_eval
+    config = QueryConfig.make(num_train, num_eval, seed, eval_percent)
+    super().__init__(
+        data_dir=os.fspath(data_dir or default_data_dir()),
+        config=config,
+        file_format="array_record",
         **kwargs,
-    ):
-        num_train = self.DEFAULT_NUM_TRAIN if num_train is None else num_train
-        num_eval = self.DEFAULT_NUM_EVAL if num_eval is None else num_eval
-        config = QueryConfig.make(num_train, num_eval, seed, eval_percent)
-        super().__init__(
-            data_dir=os.fspath(data_dir or default_data_dir()),
-            config=config,
-            file_format="array_record",
-            **kwargs,
-        )
+    )
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        features = tfds.features.FeaturesDict({name: tfds.features.Text() for name in FIELDS})
-        return tfds.core.DatasetInfo(builder=self, description=self.DESCRIPTION, features=features)
+  def _info(self) -> tfds.core.DatasetInfo:
+    features = tfds.features.FeaturesDict(
+        {name: tfds.features.Text() for name in FIELDS}
+    )
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.DESCRIPTION, features=features
+    )
 
-    def _split_generators(self, dl_manager):
-        del dl_manager  # Nothing is downloaded; manual files are found by the subclass.
-        splits = self._split_examples()
-        empty = [name for name, examples in splits.items() if not examples]
-        if empty:  # tfds cannot write an empty split; say why it is empty instead.
-            raise ValueError(
-                f"{self.name}: split(s) {empty} would be empty ({ {k: len(v) for k, v in splits.items()} } "
-                f"examples with eval_percent={self.builder_config.eval_percent}); the source is too small "
-                "for these sizes: give it more examples or change num_train/num_eval/eval_percent."
-            )
-        return {name: self._generate_examples(examples) for name, examples in splits.items()}
+  def _split_generators(self, dl_manager):
+    del dl_manager  # Nothing is downloaded; manual files are found by the subclass.
+    splits = self._split_examples()
+    empty = [name for name, examples in splits.items() if not examples]
+    if empty:  # tfds cannot write an empty split; say why it is empty instead.
+      raise ValueError(
+          f"{self.name}: split(s) {empty} would be empty ({ {k: len(v) for k, v in splits.items()} } "
+          f"examples with eval_percent={self.builder_config.eval_percent}); the source is too small "
+          "for these sizes: give it more examples or change num_train/num_eval/eval_percent."
+      )
+    return {
+        name: self._generate_examples(examples) for name, examples in splits.items()
+    }
 
-    def _generate_examples(self, examples: list[Example]) -> Iterator[tuple[str, Example]]:
-        for example in examples:
-            yield example["id"], example
+  def _generate_examples(
+      self, examples: list[Example]
+  ) -> Iterator[tuple[str, Example]]:
+    for example in examples:
+      yield example["id"], example
 
-    def _split_examples(self) -> dict[str, list[Example]]:
-        """Examples per split; by default a hash split of `_examples()`."""
-        config = self.builder_config
-        return fill_splits(self._examples(), config.num_train, config.num_eval, config.eval_percent)
+  def _split_examples(self) -> dict[str, list[Example]]:
+    """Examples per split; by default a hash split of `_examples()`."""
+    config = self.builder_config
+    return fill_splits(
+        self._examples(), config.num_train, config.num_eval, config.eval_percent
+    )
 
-    def _examples(self) -> Iterator[Example]:
-        """All candidate examples in a deterministic order (for the given seed)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _examples or _split_examples")
+  def _examples(self) -> Iterator[Example]:
+    """All candidate examples in a deterministic order (for the given seed)."""
+    raise NotImplementedError(
+        f"{type(self).__name__} must implement _examples or _split_examples"
+    )
 
 
 def read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[Example]:
-    """Prepare `builder` if needed and return one split as a list of str dicts."""
-    builder.download_and_prepare()
-    source = builder.as_data_source()[split]
-    records = source.__getitems__(list(range(len(source)))) if len(source) else []
-    return [{k: v.decode("utf-8") if isinstance(v, bytes) else v for k, v in r.items()} for r in records]
+  """Prepare `builder` if needed and return one split as a list of str dicts."""
+  builder.download_and_prepare()
+  source = builder.as_data_source()[split]
+  records = source.__getitems__(list(range(len(source)))) if len(source) else []
+  return [
+      {k: v.decode("utf-8") if isinstance(v, bytes) else v for k, v in r.items()}
+      for r in records
+  ]

@@ -29,13 +29,17 @@ Example = dict[str, str]
 
 
 def default_data_dir() -> pathlib.Path:
-    """Where prepared data sets go: $OSD_JAX_DATA_DIR or ~/.cache/osd_jax/tfds."""
-    return pathlib.Path(os.environ.get(DATA_DIR_ENV) or "~/.cache/osd_jax/tfds").expanduser()
+  """Where prepared data sets go: $OSD_JAX_DATA_DIR or ~/.cache/osd_jax/tfds."""
+  return pathlib.Path(
+      os.environ.get(DATA_DIR_ENV) or "~/.cache/osd_jax/tfds"
+  ).expanduser()
 
 
 def default_manual_dir() -> pathlib.Path:
-    """Where users put the paper's data files: $OSD_JAX_MANUAL_DIR or ~/.cache/osd_jax/manual."""
-    return pathlib.Path(os.environ.get(MANUAL_DIR_ENV) or "~/.cache/osd_jax/manual").expanduser()
+  """Where users put the paper's data files: $OSD_JAX_MANUAL_DIR or ~/.cache/osd_jax/manual."""
+  return pathlib.Path(
+      os.environ.get(MANUAL_DIR_ENV) or "~/.cache/osd_jax/manual"
+  ).expanduser()
 
 
 def make_example(
@@ -46,36 +50,48 @@ def make_example(
     answer: str = "",
     source: str = "",
 ) -> Example:
-    """One example with every field present, as the builders store it."""
-    return {"id": id, "prompt": prompt, "answer": answer, "domain": domain,
-            "language": language, "source": source}
+  """One example with every field present, as the builders store it."""
+  return {
+      "id": id,
+      "prompt": prompt,
+      "answer": answer,
+      "domain": domain,
+      "language": language,
+      "source": source,
+  }
 
 
 def _split_key(prompt: str) -> int:
-    # Whitespace and case do not make a different query; normalising them keeps
-    # near-identical prompts on one side of the split. An 8-byte digest keeps
-    # the set of seen prompts small for a million-record source.
-    text = " ".join(prompt.lower().split())
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") if text else 0
+  # Whitespace and case do not make a different query; normalising them keeps
+  # near-identical prompts on one side of the split. An 8-byte digest keeps
+  # the set of seen prompts small for a million-record source.
+  text = " ".join(prompt.lower().split())
+  return (
+      int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+      if text
+      else 0
+  )
 
 
 def is_eval(prompt: str, eval_percent: int) -> bool:
-    """Whether `prompt` belongs to the eval split: a hash of its text, not of its position."""
-    return _split_key(prompt) % 100 < eval_percent
+  """Whether `prompt` belongs to the eval split: a hash of its text, not of its position."""
+  return _split_key(prompt) % 100 < eval_percent
 
 
-def _unique(examples: Iterable[Example], seen: set[int] | None = None) -> Iterator[tuple[int, Example]]:
-    """(prompt key, example) for each example whose prompt is non-empty and not in `seen` yet."""
-    seen = set() if seen is None else seen
-    for example in examples:
-        key = _split_key(example["prompt"])
-        if key and key not in seen:
-            seen.add(key)
-            yield key, example
+def _unique(
+    examples: Iterable[Example], seen: set[int] | None = None
+) -> Iterator[tuple[int, Example]]:
+  """(prompt key, example) for each example whose prompt is non-empty and not in `seen` yet."""
+  seen = set() if seen is None else seen
+  for example in examples:
+    key = _split_key(example["prompt"])
+    if key and key not in seen:
+      seen.add(key)
+      yield key, example
 
 
 def _full(counts: dict[str, int], quota: dict[str, int | None]) -> bool:
-    return all(quota[s] is not None and counts[s] >= quota[s] for s in SPLITS)
+  return all(quota[s] is not None and counts[s] >= quota[s] for s in SPLITS)
 
 
 def fill_splits(
@@ -84,41 +100,41 @@ def fill_splits(
     num_eval: int | None,
     eval_percent: int,
 ) -> dict[str, list[Example]]:
-    """Route examples to train/eval by prompt hash, first come first served, until both are full.
+  """Route examples to train/eval by prompt hash, first come first served, until both are full.
 
-    For sources already in random order; it stops reading once the quotas fill.
-    Duplicate prompts are dropped, so the splits share no prompt. An example
-    whose split is full is skipped rather than moved, so the eval set does not
-    depend on the train size.
-    """
-    quota = {TRAIN: num_train, EVAL: num_eval}
-    out: dict[str, list[Example]] = {TRAIN: [], EVAL: []}
-    for key, example in _unique(examples):
-        if _full({s: len(out[s]) for s in SPLITS}, quota):
-            break
-        split = EVAL if key % 100 < eval_percent else TRAIN
-        if quota[split] is None or len(out[split]) < quota[split]:
-            out[split].append(example)
-    return out
+  For sources already in random order; it stops reading once the quotas fill.
+  Duplicate prompts are dropped, so the splits share no prompt. An example
+  whose split is full is skipped rather than moved, so the eval set does not
+  depend on the train size.
+  """
+  quota = {TRAIN: num_train, EVAL: num_eval}
+  out: dict[str, list[Example]] = {TRAIN: [], EVAL: []}
+  for key, example in _unique(examples):
+    if _full({s: len(out[s]) for s in SPLITS}, quota):
+      break
+    split = EVAL if key % 100 < eval_percent else TRAIN
+    if quota[split] is None or len(out[split]) < quota[split]:
+      out[split].append(example)
+  return out
 
 
 class _Reservoir:
-    """A uniform sample of `limit` items from a stream (all when None), kept in stream order."""
+  """A uniform sample of `limit` items from a stream (all when None), kept in stream order."""
 
-    def __init__(self, limit: int | None, rng: random.Random):
-        self.limit, self.rng, self.seen, self.items = limit, rng, 0, []
+  def __init__(self, limit: int | None, rng: random.Random):
+    self.limit, self.rng, self.seen, self.items = limit, rng, 0, []
 
-    def add(self, item: Example) -> None:
-        if self.limit is None or len(self.items) < self.limit:
-            self.items.append((self.seen, item))
-        else:  # Algorithm R: item number n replaces a kept one with probability limit / n.
-            slot = self.rng.randrange(self.seen + 1)
-            if slot < self.limit:
-                self.items[slot] = (self.seen, item)
-        self.seen += 1
+  def add(self, item: Example) -> None:
+    if self.limit is None or len(self.items) < self.limit:
+      self.items.append((self.seen, item))
+    else:  # Algorithm R: item number n replaces a kept one with probability limit / n.
+      slot = self.rng.randrange(self.seen + 1)
+      if slot < self.limit:
+        self.items[slot] = (self.seen, item)
+    self.seen += 1
 
-    def result(self) -> list[Example]:
-        return [item for _, item in sorted(self.items, key=lambda pair: pair[0])]
+  def result(self) -> list[Example]:
+    return [item for _, item in sorted(self.items, key=lambda pair: pair[0])]
 
 
 def sample_splits(
@@ -128,19 +144,21 @@ def sample_splits(
     eval_percent: int,
     seed: int,
 ) -> dict[str, list[Example]]:
-    """A seeded uniform sample per split, for sources in a meaningful order (Spider is grouped by database).
+  """A seeded uniform sample per split, for sources in a meaningful order (Spider is grouped by database).
 
-    `splits` has "train" and "eval", or "all", which is split by prompt hash.
-    Reads every example once; keeps only the samples in memory.
-    """
-    rng = random.Random(seed)
-    reservoirs = {TRAIN: _Reservoir(num_train, rng), EVAL: _Reservoir(num_eval, rng)}
-    if ALL in splits:
-        for key, example in _unique(splits[ALL]):
-            reservoirs[EVAL if key % 100 < eval_percent else TRAIN].add(example)
-    else:
-        seen: set[int] = set()  # Shared, so a prompt in both published splits stays in train only.
-        for split in SPLITS:
-            for _, example in _unique(splits[split], seen):
-                reservoirs[split].add(example)
-    return {split: reservoir.result() for split, reservoir in reservoirs.items()}
+  `splits` has "train" and "eval", or "all", which is split by prompt hash.
+  Reads every example once; keeps only the samples in memory.
+  """
+  rng = random.Random(seed)
+  reservoirs = {TRAIN: _Reservoir(num_train, rng), EVAL: _Reservoir(num_eval, rng)}
+  if ALL in splits:
+    for key, example in _unique(splits[ALL]):
+      reservoirs[EVAL if key % 100 < eval_percent else TRAIN].add(example)
+  else:
+    seen: set[int] = (
+        set()
+    )  # Shared, so a prompt in both published splits stays in train only.
+    for split in SPLITS:
+      for _, example in _unique(splits[split], seen):
+        reservoirs[split].add(example)
+  return {split: reservoir.result() for split, reservoir in reservoirs.items()}
