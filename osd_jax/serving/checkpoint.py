@@ -7,6 +7,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from osd_jax.checkpoints.layout import CheckpointError
+from osd_jax.serving import distributed
 from osd_jax.serving.online import OnlineState
 
 
@@ -40,9 +41,13 @@ class Checkpointer:
         raise CheckpointError(
             f"Checkpoint in {self.directory} was made with other settings"
             f" (saved, now): {diff}")
-    os.makedirs(self.directory, exist_ok=True)
-    with open(config_file, "w") as f:
-      json.dump(self.run_config, f, indent=2)
+    # With several processes (one directory for all, as orbax expects) every
+    # one has read the old config before process 0 alone rewrites it.
+    distributed.barrier("Checkpointer: run config read")
+    if distributed.is_primary():
+      os.makedirs(self.directory, exist_ok=True)
+      with open(config_file, "w") as f:
+        json.dump(self.run_config, f, indent=2)
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,

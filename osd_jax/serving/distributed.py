@@ -1,8 +1,9 @@
 """Placing arrays on a (possibly multi-host) mesh; one code path for 1 or N hosts.
 
 With several processes (one per host, jax.distributed), every host runs the
-same program: parameters and state are replicated from identical host values,
-each host feeds only its rows of a batch, and outputs are gathered back.
+same program: parameters and state are placed from identical host values,
+each host feeds only the rows of a batch that its devices hold, and outputs
+are gathered back.
 """
 
 import os
@@ -26,16 +27,34 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                              num_processes=num_processes, process_id=process_id)
 
 
+def barrier(name: str) -> None:
+  """Waits until every process gets here (returns at once with one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def is_primary() -> bool:
   """Only process 0 writes logs, plots and reports."""
   return jax.process_index() == 0
 
 
 def _put(x, sharding):
-  """device_put through host memory, so every host may pass its own copy."""
+  """Places a host value that every host holds alike; each host transfers
+  only the slices of its own devices, wherever they sit in the mesh.
+
+  An array that already spans several hosts (a step's output, a restored
+  checkpoint) has no host copy: it is resharded on the devices instead.
+  """
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding))
-  return jax.device_put(np.asarray(x), sharding)
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  # Not device_put: across hosts it first all-gathers the whole value to
+  # check that the hosts agree (a collective per leaf, every call).
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def replicate(tree, mesh: jax.sharding.Mesh):
@@ -44,23 +63,12 @@ def replicate(tree, mesh: jax.sharding.Mesh):
 
 
 def shard_leading(tree, mesh: jax.sharding.Mesh, axis: str):
-  """Leaves split along their first axis over the mesh (global host values)."""
+  """Leaves split along their first axis over the mesh (global host values).
+
+  With several hosts, each puts only the rows of its own devices: a batch
+  planned alike on every host is fed this way, each host its own requests.
+  """
   return jax.tree.map(lambda x: _put(x, NamedSharding(mesh, P(axis))), tree)
-
-
-def local_rows(global_batch: int) -> slice:
-  """This host's rows of a global batch (hosts own equal, contiguous parts)."""
-  per_host = global_batch // jax.process_count()
-  start = jax.process_index() * per_host
-  return slice(start, start + per_host)
-
-
-def from_local_rows(local: np.ndarray, mesh: jax.sharding.Mesh, axis: str,
-                    global_batch: int) -> jax.Array:
-  """A global batch array built from this host's rows only."""
-  sharding = NamedSharding(mesh, P(axis))
-  return jax.make_array_from_process_local_data(
-      sharding, local, (global_batch,) + local.shape[1:])
 
 
 def gather(tree):

@@ -108,29 +108,34 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
 
   step = online.make_step(mesh, target_config=target.config,
                           draft_config=draft.config, cfg=cfg)
-  state = state or online.init_state(draft.params, cfg, mesh.size, seed)
+  # Placed before a restore, so that orbax restores straight onto the mesh
+  # (with several hosts, arrays spanning them have no host copy to place).
+  state = online.place_state(
+      state or online.init_state(draft.params, cfg, mesh.size, seed), mesh)
   target_params = distributed.replicate(target.params, mesh)
   batcher = Batcher(batch_size, {})
   served = 0
+  saved_at = None  # `served` of the newest checkpoint (orbax keeps one per step)
   if checkpointer is not None:
     restored = checkpointer.restore_latest(state)
     if restored is not None:
       state, host = restored
       batcher = Batcher(batch_size, {int(k): v for k, v in host["queues"].items()},
                         host["next_request"])
-      served = host["served"]
+      served = saved_at = host["served"]
       print(f"Resumed at request {batcher.next_request} ({served} served).")
 
   def save():
-    if checkpointer is not None:
+    nonlocal saved_at
+    if checkpointer is not None and saved_at != served:
       checkpointer.save(served, state, {
           "next_request": batcher.next_request, "served": served,
           "queues": {str(k): v for k, v in batcher.queues.items()}})
+      saved_at = served
 
   state = online.place_state(state, mesh)
-  rows = distributed.local_rows(batch_size)
-  put_rows = lambda x: distributed.from_local_rows(x[rows], mesh, online.AXIS,
-                                                   batch_size)
+  # Every host plans the same batches; each puts only its own devices' rows.
+  put_rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
   last_saved = served
   for batch_number, (draft_index, indices) in enumerate(
       batcher.feed(draft_of, len(queries))):
@@ -146,7 +151,6 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
                                         batch_size, cfg.prompt_len,
                                         target.config.pad_id)
     start = time.perf_counter()
-    # Every host computes the same batch plan; each feeds only its own rows.
     state, out = step(target_params, state, put_rows(prompts), put_rows(lens),
                       put_rows(is_real), distributed.replicate(
                           np.int32(draft_index), mesh))
@@ -173,10 +177,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
       })
     if checkpoint_every and served - last_saved >= checkpoint_every:
       save()
+      last_saved = served
       state = online.place_state(state, mesh)
-  rows = distributed.local_rows(batch_size)
-  put_rows = lambda x: distributed.from_local_rows(x[rows], mesh, online.AXIS,
-                                                   batch_size)
-  last_saved = served
   save()
   return state
