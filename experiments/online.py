@@ -124,6 +124,8 @@ def main(argv):
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   num_devices = None if DEVICES.value == "all" else int(DEVICES.value)
+  if num_devices and multihost_flags.MULTIHOST.value:
+    raise app.UsageError("--multihost runs on every device: keep --devices=all.")
   mesh = online.make_mesh(num_devices)
   queries = streams.make_stream(
       STREAM.value, DOMAINS.value, NUM_REQUESTS.value, seed=SEED.value,

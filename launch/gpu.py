@@ -34,7 +34,12 @@ def run(command: str, output_dir: str, devices: str) -> list[Step]:
   argv = shlex.split(command)
   if argv and argv[0] in ("python", "python3"):
     argv[0] = PYTHON
-  return [(argv + [f"--devices={devices}", f"--output_dir={output_dir}"],)]
+  if not output_dir.startswith("gs://"):
+    return [(argv + [f"--devices={devices}", f"--output_dir={output_dir}"],)]
+  # The experiments write local files: write here, then upload the folder.
+  local = "outputs/" + output_dir.rstrip("/").rsplit("/", 1)[-1]
+  return [(argv + [f"--devices={devices}", f"--output_dir={local}"],),
+          (["gcloud", "storage", "cp", "-r", local, output_dir.rstrip("/")],)]
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -40,7 +40,7 @@ class TpuJob:
   zone: str
   accelerator_type: str
   version: str
-  output_dir: str  # gs://... is written by the job; a local dir is copied back.
+  output_dir: str  # a local dir is copied back; gs://... is uploaded by worker 0.
   command: str = DEFAULT_COMMAND
   project: str = ""  # "" = gcloud's configured project.
   spot: bool = False
@@ -56,15 +56,17 @@ def default_version(accelerator_type: str) -> str:
 
 
 def is_gcs(path: str) -> bool:
-  """Whether the workers write `path` themselves (a gs:// URL)."""
+  """Whether the results go to a gs:// URL (copied there from worker 0)."""
   return path.startswith("gs://")
 
 
 def remote_output(job: TpuJob) -> str:
-  """The --output_dir the workers write to (relative to the remote checkout)."""
-  if is_gcs(job.output_dir):
-    return job.output_dir
-  return posixpath.join("outputs", os.path.basename(os.path.normpath(job.output_dir)))
+  """The local --output_dir the workers write to (relative to the checkout).
+
+  The experiments write with plain file calls, so even for a gs:// destination
+  they write locally and worker 0 (the only writer) copies the folder up.
+  """
+  return posixpath.join("outputs", posixpath.basename(job.output_dir.rstrip("/")))
 
 
 def gcloud(job: TpuJob, verb: str, *args: str) -> Argv:
@@ -105,7 +107,11 @@ def run(job: TpuJob) -> list[Step]:
   script = (f"cd {shlex.quote(job.remote_dir)} && . .venv/bin/activate"
             f" && {job.command} --output_dir={out} --multihost")
   steps = [(on_workers(job, script),)]
-  if not is_gcs(job.output_dir):
+  if is_gcs(job.output_dir):
+    upload = (f"cd {shlex.quote(job.remote_dir)} && gcloud storage cp -r"
+              f" {out} {shlex.quote(job.output_dir.rstrip('/'))}")
+    steps += [(on_workers(job, upload, worker="0"),)]
+  else:
     # Only process 0 writes outputs, so worker 0 holds all of them.
     parent = os.path.dirname(os.path.normpath(job.output_dir)) or "."
     source = f"{job.name}:{posixpath.join(job.remote_dir, remote_output(job))}"

@@ -36,8 +36,10 @@ def test_dry_run_all_prints_exact_commands(capsys):
       ' && .venv/bin/pip install "jax[tpu]==0.10.2"'
       ' && .venv/bin/python -c "import jax; print(jax.device_count())"\'' f" {where}",
       f"{GCLOUD} ssh osd --worker=all --command 'cd osd-jax && . .venv/bin/activate"
-      " && python -m experiments.online --output_dir=gs://bucket/run1 --multihost'"
+      " && python -m experiments.online --output_dir=outputs/run1 --multihost'"
       f" {where}",
+      f"{GCLOUD} ssh osd --worker=0 --command 'cd osd-jax && gcloud storage cp -r"
+      f" outputs/run1 gs://bucket/run1' {where}",
   ]
 
 
@@ -65,13 +67,16 @@ def test_default_version_follows_accelerator_type():
 def test_every_worker_gets_the_code_and_runs_the_job(capsys):
   lines = dry_run(capsys, "--output_dir=gs://b/x")
   remote = [line for line in lines if " scp " in line or " ssh " in line]
-  assert len(remote) == 3
-  assert all("--worker=all" in line for line in remote)
+  assert len(remote) == 4
+  assert all("--worker=all" in line for line in remote[:3])
+  assert "--worker=0" in remote[3]
 
 
-def test_gcs_output_is_written_by_the_job_and_not_copied(capsys):
+def test_gcs_output_is_written_locally_then_uploaded_by_worker_0(capsys):
   lines = dry_run(capsys, "--action=run", "--output_dir=gs://bucket/a/b")
-  assert len(lines) == 1 and "--output_dir=gs://bucket/a/b --multihost" in lines[0]
+  assert len(lines) == 2 and "--output_dir=outputs/b --multihost" in lines[0]
+  assert "--worker=0" in lines[1]
+  assert "gcloud storage cp -r outputs/b gs://bucket/a/b" in lines[1]
 
 
 def test_local_output_is_copied_back_from_worker_0(capsys):
@@ -148,7 +153,8 @@ def test_gpu_dry_run(capsys):
       "bash scripts/setup.sh",
       ".venv/bin/pip install 'jax[cuda12]==0.10.2'",
       ".venv/bin/python -c 'import jax; print(jax.devices())'",
-      ".venv/bin/python -m experiments.online --k=4 --devices=all --output_dir=gs://b/g",
+      ".venv/bin/python -m experiments.online --k=4 --devices=all --output_dir=outputs/g",
+      "gcloud storage cp -r outputs/g gs://b/g",
   ]
 
 
