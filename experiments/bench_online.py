@@ -90,7 +90,7 @@ def main(argv):
   per_sample = sum(x.nbytes for x in jax.tree.leaves(buffer)) / base.buffer_capacity
   print(f"buffer: {per_sample / 1024:.1f} KiB per sample (max_len {base.max_len},"
         f" top-{base.teacher_k} teacher); without the teacher:"
-        f" {(base.max_len * 4 + base.max_new_tokens * 4 + 13) / 1024:.1f} KiB")
+        f" {(base.max_len * 4 + base.max_new_tokens * 4 + 9) / 1024:.1f} KiB")
   worst = min(r["tokens_per_s"] / off for n, r in results.items() if n != "learning off")
   print(f"goal: learning costs <= 10 % of throughput -> worst ratio {worst:.3f}"
         f" ({'met' if worst >= 0.9 else 'missed'})")

@@ -52,9 +52,9 @@ class Settings:
   """Sizes and knobs of every experiment; defaults fit an hour on a 2-core CPU."""
 
   domains: tuple[str, ...] = ("sql", "math", "code")  # main, shift, speedup
-  num_train: int = 96  # main/speedup: stream length = offline training prompts
-  num_eval: int = 32  # held-out prompts per data set
-  segment_length: int = 48  # shift: requests per domain
+  num_train: int = 64  # main/speedup: stream length = offline training prompts
+  num_eval: int = 24  # held-out prompts per data set
+  segment_length: int = 32  # shift: requests per domain
   fractions: tuple[float, ...] = (0.3, 0.5, 0.7, 1.0)
   category_domains: tuple[str, ...] = ("chat",)
   category_key: str = "language"  # or "domain" (per topic)
@@ -230,11 +230,11 @@ def run_main(lab: Lab) -> dict:
     results[domain] = dict(info, eval={n: {k: v for k, v in e.items()
                                            if k not in ("alpha_per_request", "indices")}
                                        for n, e in evals.items()})
-    paper = PAPER_MAIN.get(domain)
+    published = PAPER_MAIN.get(domain)
     rows.append([domain, evals["derived"]["alpha"], evals["offline"]["alpha"],
                  info["online_last_window"], evals["online"]["alpha"],
-                 "/".join(f"{x:.2f}" for x in paper[1:]) + f" ({paper[0]})"
-                 if paper else "-"])
+                 "/".join(f"{x:.2f}" for x in published[1:]) + f" ({published[0]})"
+                 if published else "-"])
   table = _markdown(["data set", "alpha before", "offline", "online (last window)",
                      "online (final, eval)", "paper: before/offline/online"], rows)
   notes = (f"k={s.k}, greedy, {s.max_new_tokens} new tokens; offline: {s.epochs}"
@@ -387,7 +387,7 @@ def _timed_decoding(lab: Lab, prompt_ids, draft_params=None) -> tuple[float, dic
   s = lab.settings
   t, d = lab.target, lab.draft
   size = s.prompt_len + s.max_new_tokens + s.k
-  batches = list(offline._padded_batches(  # pylint: disable=protected-access
+  batches = list(offline.padded_batches(
       prompt_ids, s.batch_size, s.prompt_len, t.config.pad_id))
 
   def decode(prompts, lens):
@@ -522,6 +522,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       flag_values=flag_values)
   flags.DEFINE_bool("quick", False, "A few minutes: shrink every size not set"
                     " explicitly.", flag_values=flag_values)
+  flags.DEFINE_string("compilation_cache", "~/.cache/osd_jax/xla",
+                      "Persistent XLA compilation cache (the online step is"
+                      " rebuilt per run); '' disables.", flag_values=flag_values)
   for field in dataclasses.fields(Settings):
     default, name = field.default, field.name
     if isinstance(default, tuple):
@@ -555,6 +558,9 @@ def settings_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Settings
 def main(argv):
   del argv
   settings = settings_from_flags()
+  if flags.FLAGS.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser(flags.FLAGS.compilation_cache))
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   print(f"target {target.source}\ndraft {draft.source}\n{settings}")

@@ -3,6 +3,8 @@
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from osd_jax.checkpoints import layout
+
 # llama.cpp token types: 3 marks control tokens such as <|im_start|>.
 _CONTROL = 3
 # Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre`; "smollm" splits every
@@ -47,7 +49,11 @@ def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
 
 def from_hf_dir(path: str) -> transformers.PreTrainedTokenizerBase:
   """The tokenizer saved in an HF checkpoint directory (no network)."""
-  return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  try:
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  except (OSError, ValueError) as e:  # no or unreadable tokenizer files
+    raise layout.CheckpointError(
+        f"{path}: cannot load its tokenizer (tokenizer.json expected): {e}") from e
 
 
 def same_vocabulary(a, b) -> bool:

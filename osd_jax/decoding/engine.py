@@ -86,9 +86,10 @@ class Engine:
       raise ValueError(
           f"Every prompt needs at least {min_len} token(s); got one of"
           f" {lens.min()} (speculative decoding re-reads the last two).")
-    width = -(-int(lens.max()) // _PROMPT_BUCKET) * _PROMPT_BUCKET
-    cache_size = width + self.max_new_tokens + self.k
     limit = self.target.config.max_positions
+    # The bucket may not outgrow the context: prefill writes all `width` slots.
+    width = min(-(-int(lens.max()) // _PROMPT_BUCKET) * _PROMPT_BUCKET, limit)
+    cache_size = width + self.max_new_tokens + self.k
     if int(lens.max()) + self.max_new_tokens + self.k > limit:
       raise ValueError(
           f"Prompt of {lens.max()} tokens + max_new_tokens"

@@ -135,7 +135,10 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
                          target_config: LlamaConfig, draft_config: LlamaConfig,
                          k: int, sampling: Sampling) -> tuple[SpecState, StepResult,
                                                               jax.Array]:
-  """One draft-k, verify-once step. Also returns the target probs [B, k+1, V]."""
+  """One draft-k, verify-once step. Also returns the target logits [B, k+1, V].
+
+  Those logits are the teacher for online distillation: no second target pass.
+  """
   rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
   drafted, draft_logits, draft_cache = _propose(
       draft_params, draft_config, state, draft_rng, k, sampling)
@@ -179,7 +182,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   state = SpecState(target_cache, draft_cache, output, prev, last, rng, metrics)
   result = StepResult(drafted, n, emitted, kept, alpha, is_verified, active,
                       out_start)
-  return state, result, p
+  return state, result, target_logits
 
 
 @functools.partial(

@@ -11,7 +11,7 @@ class Buffer:
 
   Only generated positions carry a loss, so weights and teacher are stored
   for those alone. Memory per sample: 4 max_len + gen_len (4 + 8 teacher_k)
-  + 13 bytes; e.g. max_len 192, gen_len 64, top-32: 17.4 KB.
+  + 9 bytes; e.g. max_len 192, gen_len 64, top-32: 17.4 KB.
   """
 
   tokens: jax.Array  # [capacity, max_len] int32, prompt then generated tokens

@@ -13,18 +13,20 @@ import jax.numpy as jnp
 PROTOTYPE_MIX = 0.9
 
 
+# Masks test `p != 0`, not `p > 0`: a NaN teacher must give a NaN loss (and a
+# skipped update), never read as probability 0.
 def _log(p):
-  return jnp.log(jnp.where(p > 0, p, 1.0))
+  return jnp.log(jnp.where(p != 0, p, 1.0))
 
 
 def kl(p: jax.Array, q: jax.Array) -> jax.Array:
   """KL(p || q) = sum_v p (log p - log q)."""
-  return jnp.sum(jnp.where(p > 0, p * (_log(p) - _log(q)), 0.0), axis=-1)
+  return jnp.sum(jnp.where(p != 0, p * (_log(p) - _log(q)), 0.0), axis=-1)
 
 
 def forward_kl(p, log_q):
   """KL(p || q): mode-covering; the gradient is cross-entropy to the teacher."""
-  return jnp.sum(jnp.where(p > 0, p * (_log(p) - log_q), 0.0), axis=-1)
+  return jnp.sum(jnp.where(p != 0, p * (_log(p) - log_q), 0.0), axis=-1)
 
 
 def reverse_kl(p, log_q):
@@ -68,6 +70,6 @@ def tempered(p: jax.Array, student_logits: jax.Array, temperature: float):
   """Teacher probs and student log-probs at a distillation temperature."""
   if temperature == 1.0:
     return p, jax.nn.log_softmax(student_logits, axis=-1)
-  p_t = jax.nn.softmax(_log(p) / temperature + jnp.where(p > 0, 0.0, -jnp.inf),
+  p_t = jax.nn.softmax(_log(p) / temperature + jnp.where(p != 0, 0.0, -jnp.inf),
                        axis=-1)
   return p_t, jax.nn.log_softmax(student_logits / temperature, axis=-1)

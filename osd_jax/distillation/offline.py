@@ -75,7 +75,7 @@ def fitting(prompt_ids: Sequence[Sequence[int]], prompt_len: int) -> list[int]:
   return [i for i, ids in enumerate(prompt_ids) if 2 <= len(ids) <= prompt_len]
 
 
-def _padded_batches(prompt_ids, batch_size: int, width: int, pad_id: int):
+def padded_batches(prompt_ids, batch_size: int, width: int, pad_id: int):
   """Yields (prompts [B, width], lengths [B], is_real [B]); the last is padded."""
   for start in range(0, len(prompt_ids), batch_size):
     yield driver._pad_batch(list(prompt_ids[start:start + batch_size]),  # pylint: disable=protected-access
@@ -99,6 +99,8 @@ def _collect_batch(target_params, draft_params, prompts_BxP, lens_B, rng,
                    teacher_mix_B, *, target_config, draft_config, sampling,
                    max_new_tokens, teacher_k):
   """Buffer rows of one batch: (tokens [B, P+G], loss weight [B, G], ids, probs)."""
+  # teacher_mix is compared with one uniform draw per row, so a [B] array
+  # works as well as a scalar: mixed_request gives each row 0 or 1.
   tokens, lengths, ids, probs = samples.student_generate(
       target_params, draft_params, prompts_BxP, lens_B, rng,
       target_config=target_config, draft_config=draft_config, sampling=sampling,
@@ -127,7 +129,7 @@ def collect(target_params, target_config: LlamaConfig, draft_params,
   rng = jax.random.key(seed)
   parts = []
   start = time.perf_counter()
-  for prompts, lens, is_real in _padded_batches(
+  for prompts, lens, is_real in padded_batches(
       prompt_ids, cfg.collect_batch_size, cfg.prompt_len, target_config.pad_id):
     rng, batch_rng = jax.random.split(rng)
     rows = _collect_batch(
@@ -160,27 +162,25 @@ def _minibatch(data: Buffer, rows_B: jax.Array, is_real_B: jax.Array) -> Buffer:
 
 
 def _loss_and_grads(params, target_params, data, rows_B, is_real_B, *,
-                    target_config, draft_config, sampling, distill):
+                    target_config, draft_config, distill):
   batch = _minibatch(data, rows_B, is_real_B)
-  p = update.teacher_probs(target_params, target_config, batch, sampling)
+  p = update.teacher_probs(target_params, target_config, batch)
   return jax.value_and_grad(update.loss_fn, has_aux=True)(
       params, draft_config, batch, p, distill)
 
 
-_STATIC = ("target_config", "draft_config", "sampling", "distill")
+_STATIC = ("target_config", "draft_config", "distill")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC,
                    donate_argnames=("params", "opt_state"))
 def train_step(params, opt_state, target_params, data: Buffer, rows_B,
                is_real_B, *, target_config: LlamaConfig,
-               draft_config: LlamaConfig, sampling: Sampling,
-               distill: update.DistillConfig):
+               draft_config: LlamaConfig, distill: update.DistillConfig):
   """One optimizer step on rows of `data`: (params, opt_state, loss, weight, applied)."""
   (loss, weight), grads = _loss_and_grads(
       params, target_params, data, rows_B, is_real_B,
-      target_config=target_config, draft_config=draft_config,
-      sampling=sampling, distill=distill)
+      target_config=target_config, draft_config=draft_config, distill=distill)
   params, opt_state, applied = update.apply_update(
       params, opt_state, grads, loss, update.make_optimizer(distill))
   return params, opt_state, loss, weight, applied
@@ -188,9 +188,9 @@ def train_step(params, opt_state, target_params, data: Buffer, rows_B,
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _eval_step(params, target_params, data: Buffer, rows_B, is_real_B, *,
-               target_config, draft_config, sampling, distill):
+               target_config, draft_config, distill):
   batch = _minibatch(data, rows_B, is_real_B)
-  p = update.teacher_probs(target_params, target_config, batch, sampling)
+  p = update.teacher_probs(target_params, target_config, batch)
   return update.loss_fn(params, draft_config, batch, p, distill)
 
 
@@ -211,7 +211,7 @@ def mean_loss(params, target_params, target_config: LlamaConfig,
   for rows, is_real in _batches(np.arange(data.capacity), cfg.batch_size):
     loss, w = _eval_step(params, target_params, data, rows, is_real,
                          target_config=target_config, draft_config=draft_config,
-                         sampling=cfg.sampling, distill=cfg.distill)
+                         distill=cfg.distill)
     total += float(loss) * float(w)
     weight += float(w)
   return total / max(weight, 1.0)
@@ -235,7 +235,7 @@ def train(draft_params, target_params, target_config: LlamaConfig,
       params, opt_state, loss, w, applied = train_step(
           params, opt_state, target_params, data, rows, is_real,
           target_config=target_config, draft_config=draft_config,
-          sampling=cfg.sampling, distill=cfg.distill)
+          distill=cfg.distill)
       if bool(applied):
         total += float(loss) * float(w)
         weight += float(w)
@@ -281,7 +281,7 @@ def static_alpha(target_params, target_config: LlamaConfig, draft_params,
   cache_size = prompt_len + max_new_tokens + k
   rng = jax.random.key(seed)
   alphas, sums = [], {}
-  for prompts, lens, is_real in _padded_batches(
+  for prompts, lens, is_real in padded_batches(
       prompt_ids, batch_size, prompt_len, target_config.pad_id):
     rng, batch_rng = jax.random.split(rng)
     state = speculative.generate(

@@ -52,7 +52,8 @@ def student_generate(target_params, draft_params, prompts_BxP, prompt_lens_B,
   def record(records, target_logits, output: Output):
     if not teacher_k:
       return records
-    ids, probs = teacher.top_k(sampling.probs(target_logits), teacher_k)
+    # The plain softmax, as for served samples (see update.teacher_probs).
+    ids, probs = teacher.top_k(jax.nn.softmax(target_logits, axis=-1), teacher_k)
     rows = jnp.arange(batch)
     at = jnp.where(output.done, max_new_tokens + 1, output.lengths)
     return (records[0].at[rows, at].set(ids, mode="drop"),

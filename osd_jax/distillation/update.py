@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import losses, teacher
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models import llama
@@ -52,6 +51,10 @@ def make_optimizer(cfg: DistillConfig) -> optax.GradientTransformation:
   if cfg.optimizer not in optimizers:
     raise ValueError(f"Unknown optimizer {cfg.optimizer!r}: {sorted(optimizers)}.")
   parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
+  if cfg.weight_decay and cfg.optimizer == "adam":
+    raise ValueError("Weight decay with Adam is AdamW: pass optimizer='adamw'.")
+  if cfg.weight_decay and cfg.optimizer == "sgd":
+    parts.append(optax.add_decayed_weights(cfg.weight_decay))
   return optax.chain(*parts, optimizers[cfg.optimizer]())
 
 
@@ -64,34 +67,51 @@ def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:
   return jnp.take_along_axis(hidden_NxLxD, positions[..., None], axis=1)
 
 
-def teacher_probs(target_params, target_config: LlamaConfig, buffer: Buffer,
-                  sampling: Sampling) -> jax.Array:
+def teacher_probs(target_params, target_config: LlamaConfig,
+                  buffer: Buffer) -> jax.Array:
   """The target's distributions at generated positions [N, G, V].
 
   From the top-k kept at verification when the buffer has them; otherwise
   recomputed with one target forward (the prototype's way, and dearer).
+  Always the plain softmax: the draft's own softmax is what is trained, and
+  serving applies the same temperature/top-k/top-p to both afterwards.
   """
   if buffer.keeps_teacher:
     return teacher.dense(buffer.teacher_ids, buffer.teacher_probs,
                          target_config.vocab_size)
   hidden = _generated_hidden(target_params, target_config, buffer)
-  return sampling.probs(llama.logits(target_params, target_config, hidden))
+  return jax.nn.softmax(llama.logits(target_params, target_config, hidden), axis=-1)
+
+
+def weighted_loss_sum(draft_params, draft_config: LlamaConfig, buffer: Buffer,
+                      p_NxGxV: jax.Array,
+                      cfg: DistillConfig) -> tuple[jax.Array, jax.Array]:
+  """(sum of weighted divergences over valid samples, total weight).
+
+  Sums, not means, so devices with different amounts of weight combine
+  exactly: psum both, then divide.
+  """
+  hidden = _generated_hidden(draft_params, draft_config, buffer)
+  weight = buffer.loss_weight * buffer.is_valid[:, None]
+  # Unweighted rows get a harmless uniform teacher: a stale NaN there would
+  # still poison the gradient through 0 * NaN.
+  p = jnp.where((weight > 0)[..., None], jax.lax.stop_gradient(p_NxGxV),
+                1.0 / p_NxGxV.shape[-1])
+  # Loss over the draft head's own rows: a restricted head cannot put mass
+  # elsewhere, so the teacher is renormalised onto those rows.
+  student_logits = llama.head_logits(draft_params, draft_config, hidden)
+  p = teacher.on_support(p, draft_config.head_token_ids)
+  p, log_q = losses.tempered(p, student_logits, cfg.temperature)
+  per_position = losses.divergence(cfg.loss, cfg.beta)(p, log_q)
+  return (per_position * weight).sum(), weight.sum()
 
 
 def loss_fn(draft_params, draft_config: LlamaConfig, buffer: Buffer,
             p_NxGxV: jax.Array, cfg: DistillConfig) -> tuple[jax.Array, jax.Array]:
   """(weighted mean divergence over valid samples, total weight)."""
-  hidden = _generated_hidden(draft_params, draft_config, buffer)
-  # Loss over the draft head's own rows: a restricted head cannot put mass
-  # elsewhere, so the teacher is renormalised onto those rows.
-  student_logits = llama.head_logits(draft_params, draft_config, hidden)
-  p = teacher.on_support(jax.lax.stop_gradient(p_NxGxV),
-                         draft_config.head_token_ids)
-  p, log_q = losses.tempered(p, student_logits, cfg.temperature)
-  per_position = losses.divergence(cfg.loss, cfg.beta)(p, log_q)
-  weight = buffer.loss_weight * buffer.is_valid[:, None]
-  total = weight.sum()
-  return (per_position * weight).sum() / jnp.maximum(total, 1.0), total
+  loss_sum, total = weighted_loss_sum(draft_params, draft_config, buffer,
+                                      p_NxGxV, cfg)
+  return loss_sum / jnp.maximum(total, 1.0), total
 
 
 def apply_update(draft_params, opt_state, grads, loss, optimizer,

@@ -114,7 +114,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
       state or online.init_state(draft.params, cfg, mesh.size, seed), mesh)
   target_params = distributed.replicate(target.params, mesh)
   batcher = Batcher(batch_size, {})
-  served = 0
+  served = batches_done = 0
   saved_at = None  # `served` of the newest checkpoint (orbax keeps one per step)
   if checkpointer is not None:
     restored = checkpointer.restore_latest(state)
@@ -123,6 +123,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
       batcher = Batcher(batch_size, {int(k): v for k, v in host["queues"].items()},
                         host["next_request"])
       served = saved_at = host["served"]
+      batches_done = host.get("batches", 0)
       print(f"Resumed at request {batcher.next_request} ({served} served).")
 
   def save():
@@ -130,6 +131,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
     if checkpointer is not None and saved_at != served:
       checkpointer.save(served, state, {
           "next_request": batcher.next_request, "served": served,
+          "batches": batches_done,
           "queues": {str(k): v for k, v in batcher.queues.items()}})
       saved_at = served
 
@@ -137,8 +139,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
   # Every host plans the same batches; each puts only its own devices' rows.
   put_rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
   last_saved = served
-  for batch_number, (draft_index, indices) in enumerate(
-      batcher.feed(draft_of, len(queries))):
+  for draft_index, indices in batcher.feed(draft_of, len(queries)):
     ids = encode_prompts(target, [queries[i].prompt for i in indices], chat)
     fits = [len(x) <= cfg.prompt_len and len(x) >= 2 for x in ids]
     for i, ok, x in zip(indices, fits, ids):
@@ -163,7 +164,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
       served += 1
       on_request({
           "request": index, "served": served, "draft": draft_index,
-          "batch": batch_number,
+          "batch": batches_done,
           "category": queries[index].category, "domain": queries[index].domain,
           "alpha": m["alpha_sum"] / max(m["alpha_count"], 1.0),
           "acceptance_rate": m["accepted"] / max(m["proposed"], 1.0),
@@ -175,6 +176,7 @@ def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query]
                    else None),
           "update_skipped": bool(out.did_update and not out.update_applied),
       })
+    batches_done += 1
     if checkpoint_every and served - last_saved >= checkpoint_every:
       save()
       last_saved = served

@@ -139,14 +139,25 @@ def _training_rows(target_params, draft_params, prompts, lens, served: Served,
 
 def _distill(target_params, params, opt_state, buffer: Buffer, tcfg, dcfg,
              cfg: OnlineConfig, axis_name):
-  """One optimizer step on the buffer; (params, opt_state, loss, applied)."""
+  """One optimizer step on the buffer; (params, opt_state, loss, applied).
+
+  Devices hold different amounts of loss weight (EOS, corrections, pad
+  rows), so weighted sums and total weight are summed over devices before
+  dividing: the update equals a single device's on the whole batch.
+  """
   optimizer = update.make_optimizer(cfg.distill)
-  p = update.teacher_probs(target_params, tcfg, buffer, cfg.sampling)
-  (loss, _), grads = jax.value_and_grad(update.loss_fn, has_aux=True)(
-      params, dcfg, buffer, p, cfg.distill)
-  params, opt_state, applied = update.apply_update(
-      params, opt_state, grads, loss, optimizer, axis_name)
-  return params, opt_state, jax.lax.pmean(loss, axis_name) if axis_name else loss, applied
+  p = update.teacher_probs(target_params, tcfg, buffer)
+  (loss_sum, total), grads = jax.value_and_grad(
+      update.weighted_loss_sum, has_aux=True)(params, dcfg, buffer, p,
+                                               cfg.distill)
+  if axis_name is not None:
+    loss_sum, total, grads = jax.lax.psum((loss_sum, total, grads), axis_name)
+  scale = 1.0 / jnp.maximum(total, 1.0)
+  grads = jax.tree.map(lambda g: g * scale, grads)
+  loss = loss_sum * scale
+  params, opt_state, applied = update.apply_update(params, opt_state, grads,
+                                                   loss, optimizer)
+  return params, opt_state, loss, applied
 
 
 def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
@@ -206,8 +217,13 @@ def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
       num_updates=state.num_updates.at[draft_index].add(do_update.astype(jnp.int32)),
       num_skipped=state.num_skipped.at[draft_index].add(
           (do_update & ~applied).astype(jnp.int32)))
-  out = StepOutput(served.tokens, served.lengths, served.metrics, do_update,
-                   loss, applied)
+  metrics = served.metrics
+  if axis_name is not None:  # per-position counts: one total for the batch
+    metrics = metrics.replace(
+        reached_by_position=jax.lax.psum(metrics.reached_by_position, axis_name),
+        accepted_by_position=jax.lax.psum(metrics.accepted_by_position, axis_name))
+  out = StepOutput(served.tokens, served.lengths, metrics, do_update, loss,
+                   applied)
   return state, out
 
 
@@ -217,7 +233,9 @@ def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig,
   step = functools.partial(serve_and_learn, target_config=target_config,
                            draft_config=draft_config, cfg=cfg, axis_name=AXIS)
   state_specs = OnlineState(P(), P(), P(AXIS), P(AXIS), P(), P(), P())
-  out_specs = StepOutput(P(AXIS), P(AXIS), P(AXIS), P(), P(), P())
+  row = P(AXIS)
+  metric_specs = speculative.Metrics(row, row, row, row, row, row, P(), P())
+  out_specs = StepOutput(row, row, metric_specs, P(), P(), P())
   sharded = jax.shard_map(
       step, mesh=mesh,
       in_specs=(P(), state_specs, P(AXIS), P(AXIS), P(AXIS), P()),

@@ -55,7 +55,7 @@ def serve_batch(target_params, draft_params, prompts_BxP, prompt_lens_B, rng, *,
 
   def step(carry):
     state, records = carry
-    state, result, p_BxKp1xV = speculative.speculate_and_verify(
+    state, result, target_logits = speculative.speculate_and_verify(
         target_params, draft_params, state, target_config=target_config,
         draft_config=draft_config, k=k, sampling=sampling)
     corrected = jnp.arange(k + 1) == result.num_accepted[:, None]
@@ -63,7 +63,9 @@ def serve_batch(target_params, draft_params, prompts_BxP, prompt_lens_B, rng, *,
                                              result.start, result.kept)
     records = dict(records, is_corrected=put("is_corrected", corrected))
     if teacher_k:
-      ids, probs = teacher.top_k(p_BxKp1xV, teacher_k)
+      # The plain softmax, whatever the serving sampler (update.teacher_probs).
+      ids, probs = teacher.top_k(jax.nn.softmax(target_logits, axis=-1),
+                                 teacher_k)
       records.update(teacher_ids=put("teacher_ids", ids),
                      teacher_probs=put("teacher_probs", probs))
     return state, records

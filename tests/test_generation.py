@@ -1,0 +1,275 @@
+"""Target-only generation, sampling rules, the Engine host API and the CLI."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from osd_jax.checkpoints.loading import LoadedModel
+from osd_jax.decoding.engine import Engine
+from osd_jax.decoding.sampling import Sampling
+from osd_jax.models import config as configs
+from osd_jax.models import llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 64
+apply = jax.jit(llama.apply, static_argnames="config")
+
+
+def word_tokenizer(vocab_size=VOCAB):
+  """Token i is the word "<i>": text and ids map one to one."""
+  tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)},
+                                   unk_token="<0>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.decoder = decoders.WordPiece()
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token="<1>", eos_token="<2>", pad_token="<0>")
+
+
+def random_params(config, seed=0):
+  """init_params' layout, filled from numpy (jax's eager PRNG compiles slowly)."""
+  shapes = jax.eval_shape(functools.partial(llama.init_params, config),
+                          jax.random.key(0))
+  rng = np.random.default_rng(seed)
+
+  def fill(path, leaf):
+    name = path[-1].key
+    if name.endswith("norm"):
+      return jnp.ones(leaf.shape, leaf.dtype)
+    fan_in = 1 if name == "embed" else leaf.shape[-2]
+    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def tiny_model(seed=3, **overrides) -> LoadedModel:
+  # Untied heads: tied random models just repeat their last token.
+  fields = dict(vocab_size=VOCAB, num_layers=4, tie_embeddings=False)
+  fields.update(overrides)
+  config = configs.tiny(**fields)
+  return LoadedModel(config, random_params(config, seed), word_tokenizer(),
+                     f"tiny seed {seed}")
+
+
+def with_eos(model, eos_id):
+  return LoadedModel(model.config.replace(eos_id=eos_id), model.params,
+                     model.tokenizer, model.source)
+
+
+def prompts_of_lengths(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(3, VOCAB, n)] for n in lengths]
+
+
+# Compiles dominate on CPU: most tests share this batch and these settings.
+PROMPTS = prompts_of_lengths((2, 9, 5))
+MAX_NEW = 12
+
+
+def generate(model, prompt_ids=PROMPTS, max_new_tokens=MAX_NEW,
+             sampling=Sampling(), seed=0):
+  """Generated ids per row, cut at each row's length."""
+  engine = Engine(model, sampling=sampling, max_new_tokens=max_new_tokens)
+  tokens, lengths, _ = engine.generate_ids(prompt_ids, seed)
+  return [row[:n].tolist() for row, n in zip(tokens, lengths)]
+
+
+def naive_greedy(model, prompt, max_new_tokens):
+  """Argmax of a full forward per token, no cache (padding right is causal-safe)."""
+  width = len(prompt) + max_new_tokens
+  sequence = list(prompt)
+  for _ in range(max_new_tokens):
+    padded = jnp.asarray([sequence + [0] * (width - len(sequence))])
+    logits, _ = apply(model.params, model.config, padded)
+    sequence.append(int(jnp.argmax(logits[0, len(sequence) - 1])))
+    if sequence[-1] == model.config.eos_id:
+      break
+  return sequence[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+  """The shared greedy run; it never emits EOS (id 2), so every row is full."""
+  rows = generate(model)
+  assert all(len(row) == MAX_NEW for row in rows)
+  return rows
+
+
+# --- greedy ---------------------------------------------------------------
+
+
+def test_greedy_equals_argmax_of_full_forward(model, greedy):
+  assert greedy == [naive_greedy(model, p, MAX_NEW) for p in PROMPTS]
+  assert all(len(set(row)) > 4 for row in greedy)  # the model is not degenerate
+
+
+def test_batched_generation_equals_one_by_one(model, greedy):
+  assert greedy == [generate(model, [p])[0] for p in PROMPTS]
+
+
+def test_eos_stops_each_row_where_it_appears(model, greedy):
+  eos = greedy[0][4]
+  stopped = generate(with_eos(model, eos))
+  for full, cut in zip(greedy, stopped):
+    assert cut == (full[:full.index(eos) + 1] if eos in full else full)
+  assert len({len(row) for row in stopped}) > 1  # rows stop at different times
+
+
+def test_engine_text_stops_before_eos(model, greedy):
+  eos = greedy[0][4]
+  engine = Engine(with_eos(model, eos), max_new_tokens=MAX_NEW)
+  completions = engine.generate([" ".join(f"<{t}>" for t in p) for p in PROMPTS])
+  assert completions[0].token_ids[-1] == eos
+  for c, prompt in zip(completions, PROMPTS):
+    assert c.prompt_ids == prompt
+    ids = c.token_ids[:-1] if c.token_ids[-1] == eos else c.token_ids
+    assert c.text.split() == [f"<{t}>" for t in ids]
+    assert c.metrics == {}
+
+
+def test_max_new_tokens_one(model, greedy):
+  assert generate(model, max_new_tokens=1) == [row[:1] for row in greedy]
+
+
+# --- sampling ---------------------------------------------------------------
+
+
+def test_filters_that_keep_one_token_are_greedy(model, greedy):
+  one = Sampling(temperature=2.0, top_k=1, top_p=1e-6)
+  assert generate(model, sampling=one, seed=3) == greedy
+
+
+def test_sampling_follows_the_seed(model):
+  hot = Sampling(temperature=1.5)
+  a = generate(model, sampling=hot, seed=1)
+  assert a == generate(model, sampling=hot, seed=1)
+  assert a != generate(model, sampling=hot, seed=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_params(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    Sampling(**kwargs)
+
+
+def test_filters_keep_the_right_tokens():
+  logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+  kept = lambda s: np.isfinite(np.asarray(s.filtered_logits(logits)))[0].tolist()
+  assert kept(Sampling(temperature=1.0, top_k=2)) == [False, True, False, True, False]
+  # Nucleus: the fewest top tokens whose mass reaches top_p.
+  assert kept(Sampling(temperature=1.0, top_p=0.7)) == [False, True, False, True, False]
+  assert kept(Sampling(temperature=1.0, top_p=0.71)) == [False, True, False, True, True]
+  assert kept(Sampling(temperature=1.0, top_k=100)) == [True] * 5
+  probs = np.asarray(Sampling(temperature=0.5, top_k=3).probs(logits))
+  expected = np.array([0, 0.4**2, 0, 0.3**2, 0.15**2]) / (0.4**2 + 0.3**2 + 0.15**2)
+  np.testing.assert_allclose(probs[0], expected, rtol=1e-5, atol=1e-7)
+
+
+# --- engine ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(k=-1), "k must be >= 0"),
+    (dict(k=2), "needs a draft"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_engine_settings(model, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    Engine(model, **kwargs)
+
+
+@pytest.mark.parametrize("k, prompt_len, max_new_tokens, message", [
+    (0, 0, 4, "at least 1"),
+    (2, 1, 4, "at least 2"),
+    (0, 500, 13, "exceeds the context of 512"),
+    (3, 500, 10, "exceeds the context of 512"),
+])
+def test_bad_prompts(model, k, prompt_len, max_new_tokens, message):
+  engine = Engine(model, model if k else None, k=k, max_new_tokens=max_new_tokens)
+  prompts = prompts_of_lengths([5, prompt_len])
+  with pytest.raises(ValueError, match=message):
+    engine.generate_ids(prompts)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_that_just_fits(model, k):
+  engine = Engine(model, model if k else None, k=k, max_new_tokens=12 - k)
+  padded, lengths, cache_size = engine.pad(prompts_of_lengths([5, 500]))
+  assert padded.shape == (2, 512) and lengths.tolist() == [5, 500]
+  assert cache_size == 512 == model.config.max_positions
+
+
+def test_prompt_bucket_never_outgrows_the_context():
+  """97 tokens pad to a bucket of 128 > 100 positions: the bucket is cut."""
+  short = tiny_model(max_positions=100)
+  prompt = prompts_of_lengths([97])
+  assert Engine(short, max_new_tokens=3).pad(prompt)[0].shape == (1, 100)
+  assert generate(short, prompt, max_new_tokens=3) == [naive_greedy(short, prompt[0], 3)]
+
+
+def test_chat_needs_a_template(model):
+  with pytest.raises(ValueError, match="chat template"):
+    Engine(model).generate(["<5> <6>"], chat=True)
+
+
+# --- the real model ---------------------------------------------------------
+
+REAL_PROMPTS = ["The capital of France is",
+                "Write a short poem about the sea and the wind at night:",
+                "def fibonacci(n):"]
+
+
+@pytest.mark.real_model
+def test_real_greedy_continuation_is_paris(smollm2):
+  [completion] = Engine(smollm2, max_new_tokens=16).generate([REAL_PROMPTS[0]])
+  assert completion.text.startswith(" Paris")
+
+
+@pytest.mark.real_model
+def test_real_batched_generation_equals_one_by_one(smollm2):
+  engine = Engine(smollm2, max_new_tokens=16)
+  batched = engine.generate(REAL_PROMPTS)
+  assert len({len(c.prompt_ids) for c in batched}) == len(REAL_PROMPTS)
+  for c in batched:
+    [alone] = engine.generate([c.prompt])
+    assert c.token_ids == alone.token_ids
+
+
+@pytest.mark.real_model
+def test_cli_json_output(smollm2):
+  """python -m experiments.generate, end to end, speculative with the derived draft."""
+  prompts = REAL_PROMPTS[:2]
+  command = [sys.executable, "-m", "experiments.generate", "--output=json",
+             "--max_new_tokens=3", "--k=2", *(f"--prompt={p}" for p in prompts)]
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+  assert [r["prompt"] for r in rows] == prompts
+  engine = Engine(smollm2, max_new_tokens=16)  # compiled already for batch 1
+  expected = [engine.generate([p])[0] for p in prompts]
+  for row, target in zip(rows, expected):
+    assert row["token_ids"] == target.token_ids[:3]  # greedy: draft changes nothing
+    assert row["text"] == smollm2.tokenizer.decode(row["token_ids"])
+    assert 0.0 <= row["alpha"] <= 1.0
+    assert 0.0 <= row["acceptance_rate"] <= 1.0
+    assert row["tokens_per_target_call"] >= 1.0

@@ -1,0 +1,123 @@
+"""The paper's experiments, end to end in --quick mode on a tiny random pair."""
+
+import json
+import os
+
+from absl import flags
+import jax
+from jax._src import compilation_cache  # reset_cache: no public equivalent
+import pytest
+
+from experiments import paper
+from tests import tiny_models
+
+# --quick sizes, with shapes a tiny model can take.
+SETTINGS = paper.Settings.quick(prompt_len=16, max_new_tokens=8, batch_size=4,
+                                update_interval=4, speedup_max_k=2,
+                                timing_repeats=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache_dir(tmp_path_factory):
+  """Every run_stream builds its step anew: a persistent cache compiles it once."""
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  before = {name: getattr(jax.config, name) for name in names}
+  jax.config.update(names[0], str(tmp_path_factory.mktemp("xla_cache")))
+  jax.config.update(names[1], 0.0)
+  compilation_cache.reset_cache()
+  yield
+  for name, value in before.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def models():
+  return tiny_models.pair()
+
+
+@pytest.fixture(scope="module")
+def sources():
+  return tiny_models.sources()
+
+
+def run(name, models, sources, tmp_path):
+  results = paper.run(name, *models, SETTINGS, str(tmp_path), sources=sources,
+                      log=lambda _: None)
+  for suffix in ("md", "png", "json"):
+    assert os.path.getsize(tmp_path / f"{name}.{suffix}") > 0
+  table = (tmp_path / f"{name}.md").read_text()
+  return results, table
+
+
+def test_main(models, sources, tmp_path):
+  results, table = run("main", models, sources, tmp_path)
+  assert set(results) == set(SETTINGS.domains)
+  for domain, r in results.items():
+    assert f"| {domain} |" in table
+    assert {"derived", "offline", "online"} <= set(r["eval"])
+    assert all(0 <= e["alpha"] <= 1 for e in r["eval"].values())
+    assert len(r["online_curve"]) == SETTINGS.num_train
+    assert r["offline_loss"][-1] < r["offline_loss"][0]
+  assert (tmp_path / "online_sql.jsonl").exists()
+
+
+def test_shift(models, sources, tmp_path):
+  results, table = run("shift", models, sources, tmp_path)
+  expected = ["static 0% (derived)"] + [f"static {f:.0%}" for f in SETTINGS.fractions]
+  assert list(results["curves"]) == expected + ["online"]
+  stream_length = SETTINGS.segment_length * len(SETTINGS.domains)
+  assert all(len(c) == stream_length for c in results["curves"].values())
+  assert all(f"| {name} |" in table for name in results["curves"])
+
+
+def test_categories(models, sources, tmp_path):
+  results, table = run("categories", models, sources, tmp_path)
+  rows = {row[0]: row for row in results["rows"]}
+  assert set(rows) == set(SETTINGS.categories) | {"all"}
+  assert sum(rows[c][1] for c in SETTINGS.categories) == rows["all"][1]
+  assert all(0 <= x <= 1 for row in rows.values() for x in row[2:])
+  # Per-category drafts logged which draft served each request.
+  records = [json.loads(line) for line in
+             (tmp_path / "online_per_category.jsonl").read_text().splitlines()]
+  assert {r["draft"] for r in records} == {0, 1}
+  assert "| en |" in table
+
+
+def test_speedup(models, sources, tmp_path):
+  results, table = run("speedup", models, sources, tmp_path)
+  costs = results["costs"]
+  assert costs["c"] > 0 and set(costs["v"]) == {1, 2, SETTINGS.k}
+  assert len(results["rows"]) == 3 * len(SETTINGS.domains)
+  assert all(row[-1] > 0 for row in results["rows"])
+  assert "measured wall-clock" in table
+
+
+def test_predicted_speedup():
+  assert paper.predicted_speedup(0.0, 4, 0.1, 1.5) == pytest.approx(1 / 1.9)
+  assert paper.predicted_speedup(0.5, 1, 0.0) == pytest.approx(1.5)
+  # The prototype's cost model: at alpha 0.6, c 0.01/0.02/0.05/0.1 -> k 7/6/4/3.
+  assert [paper.best_k(0.6, c)[0] for c in (0.01, 0.02, 0.05, 0.1)] == [7, 6, 4, 3]
+
+
+def test_settings_from_flags():
+  values = flags.FlagValues()
+  paper.define_flags(values)
+  values(["paper", "--quick", "--num_eval=5", "--fractions=0.25,1",
+          "--experiment=shift"])
+  settings = paper.settings_from_flags(values)
+  assert settings == paper.Settings.quick(num_eval=5, fractions=(0.25, 1.0))
+  values = flags.FlagValues()
+  paper.define_flags(values)
+  values(["paper", "--categories=en,fr", "--category_key=domain"])
+  assert paper.settings_from_flags(values) == paper.Settings(
+      categories=("en", "fr"), category_key="domain")
+
+
+def test_bad_settings():
+  with pytest.raises(ValueError, match="loss"):
+    paper.Settings(loss="l2")
+  with pytest.raises(ValueError, match="fractions"):
+    paper.Settings(fractions=(0.0, 1.0))
+  with pytest.raises(ValueError, match="Unknown experiment"):
+    paper.run("ablation", None, None, SETTINGS, "/tmp/unused")

@@ -1,0 +1,211 @@
+"""Speculative sampling is exact: its outputs follow the target's distribution.
+
+On a 12-token vocabulary we draw N sequences at once and compare the joint
+distribution of the first two generated tokens (EOS first counts as one cell)
+with the target's exact distribution, enumerated from its logits. Rejection
+sampling is exact for any draft, so drafts that differ from the target (one
+cut from it, an independent random model, one whose head covers half the
+vocabulary) must pass, and wrong rules run through the same harness must fail.
+
+Bound on the total variation TV = 1/2 sum_i |f_i - p_i| of the empirical
+frequencies f from N i.i.d. samples of p:
+  * mean: N f_i is Binomial(N, p_i), so by Jensen
+    E|f_i - p_i| <= sd = sqrt(p_i (1 - p_i) / N), hence
+    E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / N)  (<= 1/2 sqrt(K / N) for K cells);
+  * concentration: changing one sample moves TV by at most 1/N, so McDiarmid
+    gives P(TV >= E[TV] + t) <= exp(-2 N t^2); t = sqrt(ln(1/delta) / (2N))
+    with delta = 1e-6 makes a false failure a one-in-a-million event.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from osd_jax.checkpoints import draft as draft_lib
+from osd_jax.decoding import speculative
+from osd_jax.decoding import generate as target_only
+from osd_jax.decoding.sampling import Sampling
+from osd_jax.models import llama
+from tests.test_generation import tiny_model
+
+V = 12
+EOS = 2
+N = 16384
+DELTA = 1e-6
+PROMPT = [5, 9, 4]
+apply = jax.jit(llama.apply, static_argnames="config")
+
+
+def model(seed, num_layers, logit_scale):
+  """A tiny random model whose head is scaled for peaked, varied distributions."""
+  m = tiny_model(seed=seed, vocab_size=V, num_layers=num_layers)
+  m.params["lm_head"] = m.params["lm_head"] * logit_scale
+  return m
+
+
+@pytest.fixture(scope="module")
+def target():
+  return model(seed=11, num_layers=2, logit_scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+  """Near the target (TV 0.2-0.5 per setting): it is accepted often, not always."""
+  return draft_lib.derive(target, [1])
+
+
+def np_probs(logits_xV, sampling):
+  """Temperature, then top-k, then the smallest nucleus of mass >= top_p; numpy."""
+  z = np.asarray(logits_xV, np.float64) / sampling.temperature
+  if sampling.top_k:
+    z = np.where(z < np.sort(z, -1)[..., [-sampling.top_k]], -np.inf, z)
+  if sampling.top_p < 1:
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p_desc = -np.sort(-p / p.sum(-1, keepdims=True), -1)
+    in_nucleus = np.cumsum(p_desc, -1) - p_desc < sampling.top_p
+    z_desc = -np.sort(-z, -1)
+    cutoff = np.where(in_nucleus, z_desc, np.inf).min(-1, keepdims=True)
+    z = np.where(z < cutoff, -np.inf, z)
+  p = np.exp(z - z.max(-1, keepdims=True))
+  return p / p.sum(-1, keepdims=True)
+
+
+def exact_distribution(target, sampling):
+  """P(first two tokens) over (V-1)*V pairs plus one cell for EOS first."""
+  logits, _ = apply(target.params, target.config, jnp.asarray([PROMPT]))
+  p1 = np_probs(logits[0, -1], sampling)
+  seconds = jnp.asarray([PROMPT + [a] for a in range(V)])
+  logits, _ = apply(target.params, target.config, seconds)
+  p2 = np_probs(logits[:, -1], sampling)  # [first token, second token]
+  joint = p1[:, None] * p2
+  joint[EOS] = 0.0
+  return np.append(joint.ravel(), p1[EOS])
+
+
+def cells(tokens_Nx2, lengths_N):
+  """Cell index of each sample: first * V + second, or V*V for EOS first."""
+  first_is_eos = tokens_Nx2[:, 0] == EOS
+  assert np.all(lengths_N == np.where(first_is_eos, 1, 2))
+  return np.where(first_is_eos, V * V, tokens_Nx2[:, 0] * V + tokens_Nx2[:, 1])
+
+
+def sample_speculative(target, draft, k, sampling, seed=0):
+  """N speculative runs of 2 new tokens, traced afresh (see the wrong rules)."""
+  def run(target_params, draft_params, prompts, lens, target_cache, draft_cache, rng):
+    return speculative.generate.__wrapped__(
+        target_params, draft_params, prompts, lens, target_cache, draft_cache,
+        rng, target_config=target.config, draft_config=draft.config, k=k,
+        sampling=sampling, max_new_tokens=2)
+
+  prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (N, 1))
+  size = len(PROMPT) + 2 + k + 1
+  state = jax.jit(run)(target.params, draft.params, prompts,
+                       jnp.full((N,), len(PROMPT), jnp.int32),
+                       target.config.init_cache(N, size),
+                       draft.config.init_cache(N, size), jax.random.key(seed))
+  return cells(np.asarray(state.output.tokens[:, :2]), np.asarray(state.output.lengths))
+
+
+def sample_target_only(target, sampling, seed=0):
+  prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (N, 1))
+  output, _ = target_only.generate(
+      target.params, prompts, jnp.full((N,), len(PROMPT), jnp.int32),
+      target.config.init_cache(N, len(PROMPT) + 2), jax.random.key(seed),
+      config=target.config, sampling=sampling, max_new_tokens=2)
+  return cells(np.asarray(output.tokens[:, :2]), np.asarray(output.lengths))
+
+
+def tv_bound(p):
+  """E[TV] bound plus the McDiarmid margin (see the module docstring)."""
+  mean = 0.5 * np.sum(np.sqrt(p * (1 - p) / N))
+  return mean + math.sqrt(math.log(1 / DELTA) / (2 * N))
+
+
+def empirical_tv(samples, p):
+  f = np.bincount(samples, minlength=V * V + 1)[:len(p)] / N
+  assert f.sum() == pytest.approx(1.0)  # no sample fell outside the cells
+  return 0.5 * np.abs(f - p).sum()
+
+
+SETTINGS = [  # (sampling, k)
+    (Sampling(temperature=1.0), 2),
+    (Sampling(temperature=0.7, top_k=5), 3),
+    (Sampling(temperature=1.5, top_p=0.8), 2),
+]
+
+
+def test_harness_on_target_only_sampling(target):
+  sampling = SETTINGS[0][0]
+  p = exact_distribution(target, sampling)
+  assert empirical_tv(sample_target_only(target, sampling), p) < tv_bound(p)
+
+
+@pytest.mark.parametrize("sampling, k", SETTINGS)
+def test_speculative_sampling_matches_target(target, draft, sampling, k):
+  p = exact_distribution(target, sampling)
+  q = exact_distribution(draft, sampling)
+  # The draft alone is far from the target: matching p is the rule's doing.
+  assert 0.5 * np.abs(p - q).sum() > 3 * tv_bound(p)
+  assert empirical_tv(sample_speculative(target, draft, k, sampling), p) < tv_bound(p)
+
+
+def test_independent_draft_stays_exact(target):
+  far = model(seed=12, num_layers=1, logit_scale=2.0)
+  sampling, k = SETTINGS[2]
+  p = exact_distribution(target, sampling)
+  assert 0.5 * np.abs(p - exact_distribution(far, sampling)).sum() > 0.5
+  assert empirical_tv(sample_speculative(target, far, k, sampling), p) < tv_bound(p)
+
+
+def test_restricted_head_draft_stays_exact(target):
+  head = (0, 2, 4, 6, 8, 10)
+  restricted = draft_lib.derive(target, [0], head)
+  sampling = Sampling(temperature=1.3, top_k=8)
+  p = exact_distribution(target, sampling)
+  # q = 0 outside the head: only the residual can produce those tokens.
+  is_outside = ~np.isin(np.arange(V), head)
+  pairs_VxV = p[:-1].reshape(V, V)
+  assert pairs_VxV[is_outside[:, None] | is_outside[None, :]].sum() > 0.2
+  samples = sample_speculative(target, restricted, 2, sampling)
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+# --- wrong rules must fail the same test -------------------------------------
+
+
+def _rule(is_accepted, residual):
+  """An acceptance rule with _accept's signature, from its two formulas."""
+
+  def accept(drafted_BxK, p_BxKp1xV, q_BxKxV, target_logits, rng, sampling):
+    del target_logits, sampling
+    b, k = drafted_BxK.shape
+    accept_rng, residual_rng = jax.random.split(rng)
+    at = lambda x: jnp.take_along_axis(x[:, :k], drafted_BxK[..., None], -1)[..., 0]
+    u = jax.random.uniform(accept_rng, (b, k))
+    n = jnp.cumprod(is_accepted(u, at(p_BxKp1xV), at(q_BxKxV)), axis=1).sum(axis=1)
+    q_padded = jnp.concatenate([q_BxKxV, jnp.zeros_like(q_BxKxV[:, :1])], axis=1)
+    pick = lambda x: jnp.take_along_axis(x, n[:, None, None], axis=1)[:, 0]
+    r = residual(pick(p_BxKp1xV), pick(q_padded))
+    r = jnp.where(r.sum(-1, keepdims=True) > 0, r, pick(p_BxKp1xV))
+    return n, jax.random.categorical(residual_rng, jnp.log(r), axis=-1).astype(jnp.int32)
+
+  return accept
+
+
+_RESIDUAL = lambda p, q: jnp.maximum(p - q, 0.0)
+WRONG_RULES = {
+    "always_accept": _rule(lambda u, p, q: jnp.ones_like(u, bool), _RESIDUAL),
+    "inverted_ratio": _rule(lambda u, p, q: u * p < q, _RESIDUAL),  # min(1, q/p)
+    "resample_from_p": _rule(lambda u, p, q: u * q < p, lambda p, q: p),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_RULES))
+def test_wrong_acceptance_rule_fails_the_bound(target, draft, monkeypatch, name):
+  sampling, k = SETTINGS[0]
+  monkeypatch.setattr(speculative, "_accept", WRONG_RULES[name])
+  p = exact_distribution(target, sampling)
+  assert empirical_tv(sample_speculative(target, draft, k, sampling), p) > tv_bound(p)
