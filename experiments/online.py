@@ -13,7 +13,6 @@ import os
 import time
 
 from absl import app, flags
-import jax
 import numpy as np
 
 from experiments import model_flags, multihost_flags, plots

@@ -1,6 +1,5 @@
 """Checkpoints: HF and GGUF loading, HF export, derived drafts and clear errors."""
 
-import functools
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from osd_jax.checkpoints import gguf_file, layout, loading
 from osd_jax.decoding.engine import Engine
 from osd_jax.models import config as configs
 from osd_jax.models import llama
+from tests.tiny_models import random_params
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -51,29 +51,13 @@ def tiny_tokenizer(vocab_size=300, corpus=TEXTS):
       unk_token=SPECIALS[0], pad_token=SPECIALS[2], chat_template=CHAT_TEMPLATE)
 
 
-def random_params(config, seed=0):
-  """init_params' layout, filled from numpy (jax's eager PRNG compiles slowly)."""
-  shapes = jax.eval_shape(functools.partial(llama.init_params, config),
-                          jax.random.key(0))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, leaf):
-    name = path[-1].key
-    if name.endswith("norm"):
-      return jnp.asarray(1 + 0.1 * rng.standard_normal(leaf.shape), leaf.dtype)
-    fan_in = 1 if name == "embed" else leaf.shape[-2]
-    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, shapes)
-
-
 def tiny_model(tokenizer, seed=0, **overrides) -> loading.LoadedModel:
   # GGUF stores rms_eps as float32: start from a value that survives that.
   fields = dict(vocab_size=len(tokenizer), pad_id=2, rope_theta=1e5,
                 rms_eps=float(np.float32(1e-5)))
   fields.update(overrides)
   config = configs.tiny(**fields)
-  return loading.LoadedModel(config, random_params(config, seed), tokenizer,
+  return loading.LoadedModel(config, random_params(config, seed, norm_noise=0.1), tokenizer,
                              f"tiny seed {seed}")
 
 

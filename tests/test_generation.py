@@ -1,6 +1,5 @@
 """Target-only generation, sampling rules, the Engine host API and the CLI."""
 
-import functools
 import json
 import os
 import subprocess
@@ -10,44 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.decoding.engine import Engine
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import config as configs
 from osd_jax.models import llama
+from tests.tiny_models import word_tokenizer, random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 64
 apply = jax.jit(llama.apply, static_argnames="config")
-
-
-def word_tokenizer(vocab_size=VOCAB):
-  """Token i is the word "<i>": text and ids map one to one."""
-  tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)},
-                                   unk_token="<0>"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.decoder = decoders.WordPiece()
-  return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token="<1>", eos_token="<2>", pad_token="<0>")
-
-
-def random_params(config, seed=0):
-  """init_params' layout, filled from numpy (jax's eager PRNG compiles slowly)."""
-  shapes = jax.eval_shape(functools.partial(llama.init_params, config),
-                          jax.random.key(0))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, leaf):
-    name = path[-1].key
-    if name.endswith("norm"):
-      return jnp.ones(leaf.shape, leaf.dtype)
-    fan_in = 1 if name == "embed" else leaf.shape[-2]
-    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
 def tiny_model(seed=3, **overrides) -> LoadedModel:
@@ -55,7 +27,7 @@ def tiny_model(seed=3, **overrides) -> LoadedModel:
   fields = dict(vocab_size=VOCAB, num_layers=4, tie_embeddings=False)
   fields.update(overrides)
   config = configs.tiny(**fields)
-  return LoadedModel(config, random_params(config, seed), word_tokenizer(),
+  return LoadedModel(config, random_params(config, seed), word_tokenizer(VOCAB),
                      f"tiny seed {seed}")
 
 

@@ -10,6 +10,7 @@ import pytest
 from osd_jax.decoding.prefill import prefill
 from osd_jax.models import config as configs
 from osd_jax.models import llama
+from tests.tiny_models import random_params
 
 apply = jax.jit(llama.apply, static_argnames="config")
 prefill_jit = jax.jit(prefill, static_argnames="config")
@@ -23,22 +24,6 @@ CONFIGS = {
                                     head_token_ids=tuple(range(0, 64, 3))),
 }
 CACHE_SIZE = 32
-
-
-def random_params(config, seed=0):
-  """init_params' layout, filled from numpy (jax's eager PRNG compiles slowly)."""
-  shapes = jax.eval_shape(functools.partial(llama.init_params, config),
-                          jax.random.key(0))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, leaf):
-    name = path[-1].key
-    if name.endswith("norm"):
-      return jnp.ones(leaf.shape, leaf.dtype)
-    fan_in = 1 if name == "embed" else leaf.shape[-2]
-    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
 def random_tokens(shape, vocab_size, seed=0):

@@ -8,19 +8,16 @@ test_online_* files live here too.
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.distillation.update import DistillConfig
 from osd_jax.models import config as configs
-from osd_jax.models import llama
 from osd_jax.serving import distributed, online
 from osd_jax.serving.driver import ROW_METRICS
+from tests.tiny_models import word_tokenizer, random_params
 
 VOCAB = 32
 MAX_NEW = 8
@@ -32,39 +29,12 @@ K = 2
 # Helpers shared by the test_online_* files ---------------------------------
 
 
-def word_tokenizer(vocab_size=VOCAB):
-  """Token i is the word "<i>": text and ids map one to one."""
-  tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)},
-                                   unk_token="<0>"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.decoder = decoders.WordPiece()
-  return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token="<1>", eos_token="<2>", pad_token="<0>")
-
-
-def random_params(config, seed):
-  """init_params' layout filled from numpy (jax's eager PRNG compiles slowly)."""
-  shapes = jax.eval_shape(functools.partial(llama.init_params, config),
-                          jax.random.key(0))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, leaf):
-    name = path[-1].key
-    if name.endswith("norm"):
-      return jnp.ones(leaf.shape, leaf.dtype)
-    fan_in = 1 if name == "embed" else leaf.shape[-2]
-    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in),
-                       leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, shapes)
-
-
 @functools.lru_cache(maxsize=None)
 def tiny_pair():
   """A 2-layer random target and a draft cut from its first layer (alpha ~0.8)."""
   # Untied head: tied random models just repeat their last token.
   config = configs.tiny(vocab_size=VOCAB, num_layers=2, tie_embeddings=False)
-  target = LoadedModel(config, random_params(config, 3), word_tokenizer(),
+  target = LoadedModel(config, random_params(config, 3), word_tokenizer(VOCAB),
                        "tiny target")
   return target, draft_lib.derive(target, [0])
 

@@ -39,8 +39,21 @@ def tokenizer() -> transformers.PreTrainedTokenizerFast:
       additional_special_tokens=list(SPECIALS[3:]))
 
 
-def _random_params(config, seed):
-  """init_params' layout from numpy (jax's eager PRNG compiles slowly)."""
+def word_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+  """Token i is the word "<i>": text and ids map one to one (0 pad, 1 bos, 2 eos)."""
+  tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)},
+                                   unk_token="<0>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.decoder = decoders.WordPiece()
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token="<1>", eos_token="<2>", pad_token="<0>")
+
+
+def random_params(config, seed: int = 0, scale: float = 1.0, norm_noise: float = 0.0):
+  """init_params' layout, filled from numpy (jax's eager PRNG compiles slowly).
+
+  Matrices are scale * N(0, 1/fan_in); norms are 1 (+ norm_noise * N(0, 1)).
+  """
   shapes = jax.eval_shape(functools.partial(llama.init_params, config),
                           jax.random.key(0))
   rng = np.random.default_rng(seed)
@@ -48,9 +61,10 @@ def _random_params(config, seed):
   def fill(path, leaf):
     name = path[-1].key
     if name.endswith("norm"):
-      return jnp.ones(leaf.shape, leaf.dtype)
+      return jnp.asarray(1 + norm_noise * rng.standard_normal(leaf.shape),
+                         leaf.dtype)
     fan_in = 1 if name == "embed" else leaf.shape[-2]
-    return jnp.asarray(2 * rng.standard_normal(leaf.shape) / np.sqrt(fan_in),
+    return jnp.asarray(scale * rng.standard_normal(leaf.shape) / np.sqrt(fan_in),
                        leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(fill, shapes)
@@ -63,7 +77,7 @@ def pair(seed: int = 0, head_vocab: int = 40) -> tuple[LoadedModel, LoadedModel]
   # id no random model picks often, so sequences run to max_new_tokens.
   config = configs.tiny(vocab_size=VOCAB, num_layers=3, tie_embeddings=False,
                         pad_id=0, bos_id=1, eos_id=2)
-  target = LoadedModel(config, _random_params(config, seed), tok,
+  target = LoadedModel(config, random_params(config, seed, scale=2.0), tok,
                        f"tiny target seed {seed}")
   draft = draft_lib.derive(target, [0],
                            draft_lib.frequent_token_ids(tok, head_vocab))
