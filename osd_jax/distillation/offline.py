@@ -77,9 +77,10 @@ def fitting(prompt_ids: Sequence[Sequence[int]], prompt_len: int) -> list[int]:
 
 def padded_batches(prompt_ids, batch_size: int, width: int, pad_id: int):
   """Yields (prompts [B, width], lengths [B], is_real [B]); the last is padded."""
+  pad = driver._pad_batch  # pylint: disable=protected-access
   for start in range(0, len(prompt_ids), batch_size):
-    yield driver._pad_batch(list(prompt_ids[start:start + batch_size]),  # pylint: disable=protected-access
-                            batch_size, width, pad_id)
+    yield pad(list(prompt_ids[start:start + batch_size]), batch_size, width,
+              pad_id)
 
 
 def _teacher_mix(cfg: OfflineConfig, batch_size: int, rng: np.random.Generator):
