@@ -65,8 +65,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_integer("seed", 0, "Data and sampling seed.", **fv)
   flags.DEFINE_string("output_dir", "outputs/offline", "Checkpoint and summary.", **fv)
   flags.DEFINE_string("hf_dir", None, "Also export the draft as an HF directory.", **fv)
-  flags.DEFINE_string("compilation_cache", "~/.cache/osd_jax/xla",
-                      "Persistent XLA compilation cache; '' disables.", **fv)
+  flags.DEFINE_string("compilation_cache", "",
+                      "Persistent XLA compilation cache directory; '' disables.", **fv)
 
 
 def config_from_flags(fv: flags.FlagValues = FLAGS) -> offline.OfflineConfig:

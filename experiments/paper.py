@@ -522,9 +522,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       flag_values=flag_values)
   flags.DEFINE_bool("quick", False, "A few minutes: shrink every size not set"
                     " explicitly.", flag_values=flag_values)
-  flags.DEFINE_string("compilation_cache", "~/.cache/osd_jax/xla",
-                      "Persistent XLA compilation cache (the online step is"
-                      " rebuilt per run); '' disables.", flag_values=flag_values)
+  flags.DEFINE_string("compilation_cache", "",
+                      "Persistent XLA compilation cache directory (e.g."
+                      " ~/.cache/osd_jax/xla); '' disables.", flag_values=flag_values)
   for field in dataclasses.fields(Settings):
     default, name = field.default, field.name
     if isinstance(default, tuple):

@@ -4,8 +4,6 @@ import json
 import os
 
 from absl import flags
-import jax
-from jax._src import compilation_cache  # reset_cache: no public equivalent
 import pytest
 
 from experiments import paper
@@ -15,20 +13,6 @@ from tests import tiny_models
 SETTINGS = paper.Settings.quick(prompt_len=16, max_new_tokens=8, batch_size=4,
                                 update_interval=4, speedup_max_k=2,
                                 timing_repeats=2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache_dir(tmp_path_factory):
-  """Every run_stream builds its step anew: a persistent cache compiles it once."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-  before = {name: getattr(jax.config, name) for name in names}
-  jax.config.update(names[0], str(tmp_path_factory.mktemp("xla_cache")))
-  jax.config.update(names[1], 0.0)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in before.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,8 @@ def random_params(config, seed: int = 0, scale: float = 1.0, norm_noise: float =
   def fill(path, leaf):
     name = path[-1].key
     if name.endswith("norm"):
+      if not norm_noise:  # draw nothing: the same seed gives the same matrices
+        return jnp.ones(leaf.shape, leaf.dtype)
       return jnp.asarray(1 + norm_noise * rng.standard_normal(leaf.shape),
                          leaf.dtype)
     fan_in = 1 if name == "embed" else leaf.shape[-2]

@@ -227,9 +227,14 @@ def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
   return state, out
 
 
+@functools.lru_cache(maxsize=16)
 def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig,
               draft_config: LlamaConfig, cfg: OnlineConfig):
-  """The jitted, shard_mapped step: (target_params, state, prompts, lens, is_real, d)."""
+  """The jitted, shard_mapped step: (target_params, state, prompts, lens, is_real, d).
+
+  Memoised on its (hashable) arguments, so every stream served with the same
+  settings reuses one compiled program.
+  """
   step = functools.partial(serve_and_learn, target_config=target_config,
                            draft_config=draft_config, cfg=cfg, axis_name=AXIS)
   state_specs = OnlineState(P(), P(), P(AXIS), P(AXIS), P(), P(), P())
