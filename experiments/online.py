@@ -153,7 +153,8 @@ def main(argv):
   summaries = []
   for name, run_cfg, ckpt in runs:
     path = os.path.join(OUTPUT_DIR.value, f"{name}.jsonl")
-    if name == "static" and RESUME.value and os.path.exists(path):
+    done_marker = os.path.join(OUTPUT_DIR.value, f"{name}.done")
+    if name == "static" and RESUME.value and os.path.exists(done_marker):
       print("static run already done; not repeated on resume")
     else:
       reporter = (Reporter(OUTPUT_DIR.value, name, window=WINDOW.value,
@@ -167,6 +168,7 @@ def main(argv):
                         on_request=reporter or (lambda record: None))
       if reporter is not None:
         reporter.close()
+        open(done_marker, "w").close()
         print(f"[{name}] done in {time.perf_counter() - start:.0f} s,"
               f" {reporter.skipped} prompts skipped (longer than --prompt_len)")
     if primary:
