@@ -84,6 +84,8 @@ RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_di
 COMPARE_STATIC = flags.DEFINE_bool(
     "compare_static", True, "Also serve the stream with the draft kept static.")
 WINDOW = flags.DEFINE_integer("window", 32, "Rolling-alpha window (requests).")
+PROGRESS_EVERY = flags.DEFINE_integer("progress_every", 16,
+                                      "Print a progress line every N requests.")
 
 
 def online_config(num_drafts: int) -> online.OnlineConfig:
@@ -158,6 +160,7 @@ def main(argv):
       print("static run already done; not repeated on resume")
     else:
       reporter = (Reporter(OUTPUT_DIR.value, name, window=WINDOW.value,
+                           every=PROGRESS_EVERY.value,
                            append=RESUME.value and ckpt is not None)
                   if primary else None)
       start = time.perf_counter()
