@@ -1,7 +1,6 @@
 # The two commands a new user needs; each sets up what it needs first.
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)
-export JAX_PLATFORMS ?= cpu
 
 .PHONY: setup online test test-fast
 
@@ -12,7 +11,7 @@ online: setup  ## the main job: serve a shifting stream and distil the draft onl
 	$(PY) -m experiments.online --output_dir=outputs/online $(ARGS)
 
 test: setup  ## the whole CPU suite, real-model tests included
-	$(PY) -m pytest -q tests $(ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests $(ARGS)
 
 test-fast: setup  ## skip the tests that load the real model
-	$(PY) -m pytest -q -m "not real_model" tests $(ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not real_model" tests $(ARGS)
