@@ -59,3 +59,14 @@ def from_hf_dir(path: str) -> transformers.PreTrainedTokenizerBase:
 def same_vocabulary(a, b) -> bool:
   """True when both tokenizers map every token string to the same id."""
   return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+def encode(tokenizer, prompts, chat: bool, source: str = "the model") -> list[list[int]]:
+  """Token ids per prompt, through the chat template (one user turn) when asked."""
+  if chat:
+    if not tokenizer.chat_template:
+      raise ValueError(f"{source} has no chat template.")
+    return [list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True,
+        tokenize=True, return_dict=False)) for p in prompts]
+  return [tokenizer(p)["input_ids"] for p in prompts]

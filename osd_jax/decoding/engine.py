@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osd_jax.checkpoints import tokenizer as tokenizers
 from osd_jax.checkpoints.loading import LoadedModel, check_pair
 from osd_jax.decoding import generate as target_only
 from osd_jax.decoding import speculative
@@ -68,15 +69,8 @@ class Engine:
 
   def encode(self, prompts: list[str], chat: bool = False) -> list[list[int]]:
     """Token ids of each prompt, through the chat template when asked."""
-    tok = self.target.tokenizer
-    if chat:
-      if not tok.chat_template:
-        raise ValueError(f"{self.target.source} has no chat template.")
-      return [list(tok.apply_chat_template([{"role": "user", "content": p}],
-                                           add_generation_prompt=True,
-                                           tokenize=True, return_dict=False))
-              for p in prompts]
-    return [tok(p)["input_ids"] for p in prompts]
+    return tokenizers.encode(self.target.tokenizer, prompts, chat,
+                             self.target.source)
 
   def pad(self, prompt_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray, int]:
     """Right-padded prompts, their lengths, and the cache size they need."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from osd_jax.checkpoints import tokenizer as tokenizers
 from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.serving import distributed, online
 from osd_jax.serving.checkpoint import Checkpointer
@@ -58,13 +59,7 @@ class Batcher:
 def encode_prompts(model: LoadedModel, prompts: Sequence[str],
                    chat: bool) -> list[list[int]]:
   """Token ids per prompt, through the chat template when asked."""
-  tok = model.tokenizer
-  if chat:
-    return [list(tok.apply_chat_template([{"role": "user", "content": p}],
-                                         add_generation_prompt=True,
-                                         tokenize=True, return_dict=False))
-            for p in prompts]
-  return [tok(p)["input_ids"] for p in prompts]
+  return tokenizers.encode(model.tokenizer, prompts, chat, model.source)
 
 
 def _pad_batch(ids: list[list[int]], batch_size: int, width: int, pad_id: int):
