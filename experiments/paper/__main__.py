@@ -1,0 +1,32 @@
+"""Runs one of the paper's experiments; sizes from flags, --quick shrinks them.
+
+  python -m experiments.paper --experiment=main --output_dir=results/main
+  python -m experiments.paper --experiment=shift --quick --output_dir=/tmp/shift
+"""
+
+import os
+
+from absl import flags
+import jax
+
+from experiments import cli, model_flags
+from experiments.paper import define_flags, run, settings_from_flags
+from experiments.paper import settings as settings_module
+
+
+def main(argv):
+  del argv
+  settings = settings_from_flags()
+  if flags.FLAGS.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser(flags.FLAGS.compilation_cache))
+  target = model_flags.load_target()
+  draft = model_flags.load_draft(target)
+  print(f"target {target.source}\ndraft {draft.source}\n{settings}")
+  run(flags.FLAGS.experiment, target, draft, settings, flags.FLAGS.output_dir)
+
+
+if __name__ == "__main__":
+  define_flags()
+  flags.adopt_module_key_flags(settings_module)  # so --helpshort lists them
+  cli.run(main)
