@@ -7,12 +7,23 @@ which needs no TensorFlow (`as_dataset` and `tfds.load` do).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Iterator
 
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core.utils import tqdm_utils
+import tqdm
 
+from osd_jax import progress
 from osd_jax.data.common import FIELDS, Example, default_data_dir, fill_splits
+
+
+class _NoCustomConfigWarning(logging.Filter):
+  """Drops tfds' warning that a config is not predeclared: ours never are."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Using custom data configuration")
 
 
 @dataclasses.dataclass
@@ -75,12 +86,38 @@ class QueryBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     num_train = self.DEFAULT_NUM_TRAIN if num_train is None else num_train
     num_eval = self.DEFAULT_NUM_EVAL if num_eval is None else num_eval
     config = QueryConfig.make(num_train, num_eval, seed, eval_percent)
-    super().__init__(
-        data_dir=os.fspath(data_dir or default_data_dir()),
-        config=config,
-        file_format="array_record",
-        **kwargs,
-    )
+    quiet = _NoCustomConfigWarning()
+    logging.getLogger("absl").addFilter(quiet)  # tfds logs through absl
+    try:
+      super().__init__(
+          data_dir=os.fspath(data_dir or default_data_dir()),
+          config=config,
+          file_format="array_record",
+          **kwargs,
+      )
+    finally:
+      logging.getLogger("absl").removeFilter(quiet)
+
+  def download_and_prepare(self, *args, **kwargs):
+    """tfds' preparation without its progress bars: `_progress` counts instead."""
+    shown = getattr(tqdm_utils, "_active", True)  # tfds has no getter
+    tfds.display_progress_bar(False)
+    try:
+      return super().download_and_prepare(*args, **kwargs)
+    finally:
+      tfds.display_progress_bar(shown)
+
+  # tfds prints "Downloading and preparing dataset ..." and "... prepared to"
+  # banners on stdout; nothing is downloaded here and the bar says enough.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
+  def _progress(self, total: int | None) -> tqdm.tqdm:
+    """A bar over the examples this data set is prepared from."""
+    return progress.bar(total, f"preparing {self.name}", "examples")
 
   def _info(self) -> tfds.core.DatasetInfo:
     features = tfds.features.FeaturesDict(
@@ -113,9 +150,11 @@ class QueryBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _split_examples(self) -> dict[str, list[Example]]:
     """Examples per split; by default a hash split of `_examples()`."""
     config = self.builder_config
-    return fill_splits(
-        self._examples(), config.num_train, config.num_eval, config.eval_percent
-    )
+    sizes = (config.num_train, config.num_eval)
+    with self._progress(None if None in sizes else sum(sizes)) as kept:
+      return fill_splits(
+          self._examples(), *sizes, config.eval_percent, on_kept=kept.update
+      )
 
   def _examples(self) -> Iterator[Example]:
     """All candidate examples in a deterministic order (for the given seed)."""

@@ -17,7 +17,7 @@ import hashlib
 import os
 import pathlib
 import random
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 TRAIN, EVAL = "train", "eval"
 ALL = "all"  # A source with a single published split; builders split it by hash.
@@ -99,13 +99,14 @@ def fill_splits(
     num_train: int | None,
     num_eval: int | None,
     eval_percent: int,
+    on_kept: Callable[[], object] = lambda: None,
 ) -> dict[str, list[Example]]:
   """Route examples to train/eval by prompt hash, first come first served, until both are full.
 
   For sources already in random order; it stops reading once the quotas fill.
   Duplicate prompts are dropped, so the splits share no prompt. An example
   whose split is full is skipped rather than moved, so the eval set does not
-  depend on the train size.
+  depend on the train size. `on_kept` is called for every example kept.
   """
   quota = {TRAIN: num_train, EVAL: num_eval}
   out: dict[str, list[Example]] = {TRAIN: [], EVAL: []}
@@ -115,6 +116,7 @@ def fill_splits(
     split = EVAL if key % 100 < eval_percent else TRAIN
     if quota[split] is None or len(out[split]) < quota[split]:
       out[split].append(example)
+      on_kept()
   return out
 
 
@@ -143,16 +145,19 @@ def sample_splits(
     num_eval: int | None,
     eval_percent: int,
     seed: int,
+    on_read: Callable[[], object] = lambda: None,
 ) -> dict[str, list[Example]]:
   """A seeded uniform sample per split, for sources in a meaningful order (Spider is grouped by database).
 
   `splits` has "train" and "eval", or "all", which is split by prompt hash.
-  Reads every example once; keeps only the samples in memory.
+  Reads every example once, calling `on_read` for each; keeps only the samples
+  in memory.
   """
   rng = random.Random(seed)
   reservoirs = {TRAIN: _Reservoir(num_train, rng), EVAL: _Reservoir(num_eval, rng)}
   if ALL in splits:
     for key, example in _unique(splits[ALL]):
+      on_read()
       reservoirs[EVAL if key % 100 < eval_percent else TRAIN].add(example)
   else:
     seen: set[int] = (
@@ -160,5 +165,6 @@ def sample_splits(
     )  # Shared, so a prompt in both published splits stays in train only.
     for split in SPLITS:
       for _, example in _unique(splits[split], seen):
+        on_read()
         reservoirs[split].add(example)
   return {split: reservoir.result() for split, reservoir in reservoirs.items()}

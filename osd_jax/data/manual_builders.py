@@ -31,9 +31,15 @@ class ManualQueryBuilder(QueryBuilder, skip_registration=True):
   def _split_examples(self) -> dict[str, list[common.Example]]:
     config = self.builder_config
     splits = manual.load_manual(self.name, self._manual_root)
-    return common.sample_splits(
-        splits, config.num_train, config.num_eval, config.eval_percent, config.seed
-    )
+    with self._progress(None) as read:  # a sample of a file of unknown length
+      return common.sample_splits(
+          splits,
+          config.num_train,
+          config.num_eval,
+          config.eval_percent,
+          config.seed,
+          on_read=read.update,
+      )
 
 
 class Spider(ManualQueryBuilder, skip_registration=True):
