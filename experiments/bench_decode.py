@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import bench_common, model_flags
+from experiments import bench_common, cli, model_flags
 from osd_jax.decoding import generate
 from osd_jax.decoding.sampling import GREEDY
 from osd_jax.models import llama
@@ -85,4 +85,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

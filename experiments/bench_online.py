@@ -16,7 +16,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from experiments import model_flags
+from experiments import cli, model_flags
 from osd_jax.data import streams
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation.update import DistillConfig
@@ -97,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import bench_common, model_flags
+from experiments import bench_common, cli, model_flags
 from osd_jax.decoding import generate, speculative
 from osd_jax.decoding.engine import summarize
 from osd_jax.decoding.sampling import GREEDY
@@ -154,4 +154,4 @@ def _print_table(table):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

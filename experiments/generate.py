@@ -9,7 +9,7 @@ import time
 
 from absl import app, flags
 
-from experiments import model_flags
+from experiments import cli, model_flags
 from osd_jax.decoding.engine import Engine, acceptance_by_position, summarize
 from osd_jax.decoding.sampling import Sampling
 
@@ -53,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -21,7 +21,7 @@ from absl import app, flags
 import jax
 import orbax.checkpoint as ocp
 
-from experiments import model_flags
+from experiments import cli, model_flags
 from osd_jax.checkpoints import loading
 from osd_jax.data import EVAL, TRAIN, make_stream
 from osd_jax.decoding.sampling import Sampling
@@ -154,4 +154,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

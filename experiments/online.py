@@ -15,7 +15,7 @@ import time
 from absl import app, flags
 import numpy as np
 
-from experiments import model_flags, multihost_flags, plots
+from experiments import cli, model_flags, multihost_flags, plots
 from osd_jax.data import streams
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import losses, samples
@@ -195,4 +195,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -54,7 +54,8 @@ def read(path: str, *, param_dtype: str = "float32", dtype: str = "float32"):
   try:
     reader = gguf.GGUFReader(path)
   except Exception as e:  # pylint: disable=broad-except
-    raise layout.CheckpointError(f"Cannot read GGUF file {path}: {e}") from e
+    raise layout.CheckpointError(
+        f"Cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
   meta = _field_values(reader)
   arch = meta.get("general.architecture")
   if arch != "llama":

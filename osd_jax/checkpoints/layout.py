@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
+from osd_jax.errors import UserError
 from osd_jax.models.config import LlamaConfig
 
 # Our per-layer name -> Hugging Face name inside `model.layers.{i}.`.
@@ -22,7 +23,7 @@ FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint that is missing, corrupt or of an unsupported kind."""
 
 

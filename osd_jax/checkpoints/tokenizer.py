@@ -1,9 +1,17 @@
 """Tokenizers: rebuilt from GGUF metadata, or read from an HF directory."""
 
-import transformers
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from osd_jax.checkpoints import layout
+
+# transformers is imported on first use: its import prints an advisory (no
+# torch) that the entry points first decide whether to show (experiments/cli).
+if TYPE_CHECKING:
+  import transformers
 
 # llama.cpp token types: 3 marks control tokens such as <|im_start|>.
 _CONTROL = 3
@@ -14,14 +22,16 @@ _SPLIT_DIGITS = {"smollm": True, "gpt2": False, "default": False}
 
 def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
   """A byte-level BPE tokenizer from `tokenizer.ggml.*` metadata values."""
+  import transformers  # pylint: disable=import-outside-toplevel,redefined-outer-name
+
   model_kind = fields.get("tokenizer.ggml.model")
   if model_kind != "gpt2":
-    raise ValueError(
+    raise layout.CheckpointError(
         f"GGUF tokenizer model {model_kind!r} is not supported (only"
         " byte-level BPE, 'gpt2').")
   pre = fields.get("tokenizer.ggml.pre", "default")
   if pre not in _SPLIT_DIGITS:
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported.")
+    raise layout.CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported.")
   tokens = fields["tokenizer.ggml.tokens"]
   vocab = {token: i for i, token in enumerate(tokens)}
   merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
@@ -49,6 +59,8 @@ def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
 
 def from_hf_dir(path: str) -> transformers.PreTrainedTokenizerBase:
   """The tokenizer saved in an HF checkpoint directory (no network)."""
+  import transformers  # pylint: disable=import-outside-toplevel,redefined-outer-name
+
   try:
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError) as e:  # no or unreadable tokenizer files

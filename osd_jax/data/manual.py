@@ -25,11 +25,12 @@ from typing import Callable, Iterator
 from osd_jax.data import common
 from osd_jax.data.language import language_code
 from osd_jax.data.sql_schemas import format_prompt as sql_prompt
+from osd_jax.errors import UserError
 
 Splits = dict[str, Iterator[common.Example]]
 
 
-class ManualDataError(FileNotFoundError):
+class ManualDataError(UserError, FileNotFoundError):
   """A manual data file is missing; the message says which file goes where."""
 
 

@@ -1,0 +1,147 @@
+"""Entry points as a user meets them: one-line user errors, quiet library logs.
+
+Each test runs a real entry point (`python -m experiments...`) in a subprocess.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import cli, paper
+from osd_jax.checkpoints import layout, loading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ABSL_INFO = re.compile(r"^I\d{4} ", re.M)  # absl's INFO prefix, e.g. "I1201 09:19:22"
+
+
+def run(*args: str, data_dir: str | None = None) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
+  if data_dir:
+    env["OSD_JAX_DATA_DIR"] = data_dir
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900)
+
+
+def assert_user_error(done: subprocess.CompletedProcess, *words: str) -> None:
+  """Exit status 1 and stderr of one line, `error: ...` naming the problem."""
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr, done.stderr[-3000:]
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
+  for word in words:
+    assert word in lines[0]
+
+
+# --- user errors through experiments.generate ------------------------------
+
+
+def test_missing_model_path(tmp_path):
+  path = str(tmp_path / "nowhere.gguf")
+  assert_user_error(run("-m", "experiments.generate", f"--target={path}"),
+                    "not found", path)
+
+
+def test_hf_directory_without_weights(tmp_path):
+  config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 32, "max_position_embeddings": 64}
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  assert_user_error(run("-m", "experiments.generate", f"--target={tmp_path}"),
+                    "no .safetensors weights", str(tmp_path))
+
+
+def test_bad_flag_value():
+  assert_user_error(run("-m", "experiments.generate", "--k=four"), "--k", "four")
+
+
+@pytest.mark.real_model
+def test_truncated_gguf(tmp_path):
+  path = tmp_path / "model.gguf"
+  with open(loading.default_gguf_path(), "rb") as f:
+    path.write_bytes(f.read(1 << 20))
+  assert_user_error(run("-m", "experiments.generate", f"--target={path}"),
+                    "Cannot read GGUF file", str(path))
+
+
+@pytest.mark.real_model
+def test_negative_k():
+  assert_user_error(run("-m", "experiments.generate", "--k=-1", "--max_new_tokens=2"),
+                    "k must be >= 0")
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_the_context():
+  prompt = "hello " * 9000  # about 9,000 tokens; SmolLM2's context is 8,192
+  assert_user_error(run("-m", "experiments.generate", f"--prompt={prompt}",
+                        "--max_new_tokens=2"), "exceeds the context")
+
+
+# --- what cli.run counts as a user error ------------------------------------
+
+
+def run_main(body: str, *flags: str) -> subprocess.CompletedProcess:
+  """A throwaway entry point whose main runs `body`."""
+  source = ("from absl import app, logging\nimport numpy as np\n"
+            "from experiments import cli\n"
+            f"def main(argv):\n  {body}\ncli.run(main)\n")
+  return run("-c", source, *flags)
+
+
+def test_usage_error_is_one_line():
+  assert_user_error(run_main("raise app.UsageError('--x must be positive')"),
+                    "--x must be positive", "--helpshort")
+
+
+def test_a_bug_keeps_its_traceback():
+  done = run_main("np.zeros(4).reshape(3)")  # numpy's ValueError: our bug
+  assert done.returncode == 1
+  assert "Traceback" in done.stderr and "reshape" in done.stderr
+
+
+def test_user_error_rule():
+  assert cli.is_user_error(layout.CheckpointError("no weights"))
+  with pytest.raises(ValueError) as ours:
+    paper.Settings(fractions=(0.0,))  # a `raise` in experiments/: an input check
+  assert cli.is_user_error(ours.value)
+  with pytest.raises(ValueError) as numpys:
+    np.zeros(4).reshape(3)
+  assert not cli.is_user_error(numpys.value)
+  with pytest.raises(ValueError) as unpacking:
+    _, _ = [1, 2, 3]
+  assert not cli.is_user_error(unpacking.value)
+  assert not cli.is_user_error(KeyError("x"))
+
+
+# --- quiet by default ---------------------------------------------------------
+
+
+def test_library_info_logs_only_with_verbosity():
+  body = "logging.info('library detail'); logging.warning('a warning')"
+  quiet, verbose = run_main(body), run_main(body, "-v", "0")
+  assert quiet.returncode == verbose.returncode == 0
+  assert "a warning" in quiet.stderr and "library detail" not in quiet.stderr
+  assert "library detail" in verbose.stderr
+
+
+@pytest.mark.real_model
+def test_online_run_shows_no_library_logs(tmp_path):
+  """No orbax INFO lines, no tfds banners or bars: the run's own lines only."""
+  done = run("-m", "experiments.online", "--stream=single", "--domains=math",
+             "--num_requests=4", "--batch_size=4", "--max_new_tokens=4",
+             "--nocompare_static", f"--output_dir={tmp_path / 'out'}",
+             data_dir=str(tmp_path / "data"))  # data sets built afresh
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert (tmp_path / "out" / "checkpoints").is_dir()  # orbax did save
+  output = done.stdout + done.stderr
+  assert not ABSL_INFO.search(output), ABSL_INFO.findall(output)[:5]
+  for noise in ("orbax", "Downloading and preparing", "Generating splits",
+                "Shuffling", "PyTorch was not found"):
+    assert noise not in output, noise
+  assert "[online] done in" in done.stdout
