@@ -1,0 +1,30 @@
+"""Model flags: --dtype=bfloat16 on a CPU backend warns that float32 is faster."""
+
+from absl.testing import flagsaver
+import jax
+import pytest
+
+from experiments import model_flags
+from osd_jax.checkpoints import loading
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+  """loading.load records its dtype instead of reading a model."""
+  calls = []
+  monkeypatch.setattr(loading, "load", lambda spec, **kw: calls.append(kw))
+  return calls
+
+
+@pytest.mark.parametrize("dtype, warns", [("bfloat16", True), ("float32", False)])
+def test_bfloat16_on_cpu_warns(no_loading, caplog, dtype, warns):
+  assert jax.default_backend() == "cpu"
+  with flagsaver.flagsaver((model_flags.DTYPE, dtype)):
+    model_flags.load_target()
+  assert no_loading == [{"param_dtype": dtype, "dtype": dtype}]
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  if warns:
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "bfloat16" in warnings[0] and "float32 is much faster" in warnings[0]
+  else:
+    assert not warnings
