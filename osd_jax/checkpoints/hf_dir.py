@@ -93,8 +93,27 @@ def write(path: str, params: dict, config: LlamaConfig, tokenizer) -> None:
     hf_config[HEAD_IDS_KEY] = list(config.head_token_ids)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump(generation_config(config), f, indent=2)
   tensors = layout.params_to_hf(params, config)
   safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"),
                               metadata={"format": "pt"})
   if tokenizer is not None:
     tokenizer.save_pretrained(path)
+
+
+def generation_config(config: LlamaConfig) -> dict:
+  """generation_config.json: special ids, and the tokens a restricted head lacks.
+
+  Plain Llama has no restricted head, so the export's lm_head has zero rows
+  for those tokens, which a raw forward turns into logit 0. transformers'
+  generate() (greedy, sampled, or the model as an assistant) sets the logits
+  of `suppress_tokens` to -inf: probability 0, as in osd-jax.
+  """
+  generation = {"bos_token_id": config.bos_id, "eos_token_id": config.eos_id,
+                "pad_token_id": config.pad_id}
+  if config.head_token_ids is not None:
+    head = set(config.head_token_ids)
+    generation["suppress_tokens"] = [i for i in range(config.vocab_size)
+                                     if i not in head]
+  return generation

@@ -69,8 +69,9 @@ def params_to_hf(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
   if not config.tie_embeddings:
     head = np.asarray(params["lm_head"], np.float32).T
     if config.head_token_ids is not None:
-      # Plain Llama has no restricted head: rows outside it are zero and the
-      # ids go into config.json, which our loader reads back exactly.
+      # Plain Llama has no restricted head: rows outside it are zero, the ids
+      # go into config.json (our loader reads them back exactly) and the rest
+      # into generation_config.json's suppress_tokens (hf_dir).
       full = np.zeros((config.vocab_size, config.hidden_dim), np.float32)
       full[np.asarray(config.head_token_ids)] = head
       head = full
