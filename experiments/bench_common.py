@@ -52,3 +52,50 @@ def torch_available() -> bool:
     print("torch is not installed: skipping the transformers baseline"
           " (pip install torch==2.13.0, an optional benchmark dependency).")
     return False
+
+
+def forward_seconds(params, config, batch: int, num_tokens: int, *,
+                    filled: int = 100, window: int = 256, steps: int = 8,
+                    repeats: int = 3) -> float:
+  """Seconds of one cached forward on num_tokens new tokens per row.
+
+  The cache holds `filled` positions and attention reads `window`, as a
+  decode step of the slot engine does; the length never grows, so the same
+  program runs `steps` times per timed call.
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
+  params = llama.for_decoding(params, config)
+
+  def run(params, cache):
+    def body(_, cache):
+      tokens = jnp.ones((batch, num_tokens), jnp.int32)
+      logits, new = llama.apply(params, config, tokens, cache, window=window)
+      # Keep the logits live; keep the length fixed so the cache never fills.
+      return new.with_lengths(cache.lengths + (logits[:, 0, 0] > 1e30))
+    return jax.lax.fori_loop(0, steps, body, cache)
+
+  run = jax.jit(run, donate_argnums=(1,))
+  state = {"cache": config.init_cache(batch, window).with_lengths(
+      jnp.full((batch,), filled, jnp.int32))}
+
+  def call():
+    state["cache"] = run(params, state["cache"])
+    return state["cache"]
+
+  _, seconds, _ = timed(call, repeats=repeats)
+  return seconds / steps
+
+
+def bandwidth_gb_s(num_bytes: int, repeats: int = 5) -> float:
+  """Measured streaming-read bandwidth: a jitted sum over num_bytes of float32."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(lambda x: x.sum())
+  _, seconds, _ = timed(total, x, repeats=repeats)
+  return num_bytes / seconds / 1e9
+
+
+def weight_bytes(params) -> int:
+  """Bytes of every parameter array (what a decode step must read)."""
+  return sum(x.nbytes for x in jax.tree.leaves(params))

@@ -1,56 +1,80 @@
-"""Target-only greedy decoding: osd-jax against transformers + torch, same weights.
+"""Target-only decoding: the memory-bandwidth limit, step costs, and transformers.
 
   python -m experiments.bench_decode
   python -m experiments.bench_decode --batch_sizes=1 --max_new_tokens=16
 
-Prints compile time and tokens/s at each batch size for our jitted loop (with
-layers scanned, and unrolled), and for transformers' `generate` on the same
-weights exported to an HF directory, all measured in this one run.
-Goal: at least transformers' tokens/s at batch 1, ahead at batch 8.
+All in one run:
+- the measured read bandwidth, and the limit it sets on one decode step
+  (weight bytes / bandwidth), against the measured step at batch 1;
+- one cached target forward at batch 1 on 1..9 new tokens (v(k) = cost on
+  k+1 tokens / on 1: what verification costs), and at batch 8 on 1 token
+  per row against batch 1;
+- end-to-end greedy tokens/s of the slot engine (k = 0) and of transformers'
+  `generate` on the same weights, at each batch size.
+Goals: batch-1 step >= 0.85 of the bandwidth limit; v(4) <= 1.3; batch 8 <=
+1.5x batch 1; at least transformers' tokens/s at batch 1, ahead at batch 8.
 """
 
-import functools
+import time
 
-from absl import app, flags
-import jax
-import jax.numpy as jnp
+from absl import flags
 import numpy as np
 
 from experiments import bench_common, cli, model_flags
-from osd_jax.decoding import generate
-from osd_jax.decoding.sampling import GREEDY
-from osd_jax.models import llama
+from osd_jax.decoding.engine import Engine
 
-BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
+BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).")
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per row.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per measurement.")
 THREADS = flags.DEFINE_integer("torch_threads", 0, "torch threads; 0 = default.")
 
 
-def _ours(params, config, prompt_ids, max_new_tokens):
-  """(compile seconds, tokens/s, generated ids) of our jitted loop."""
-  width = max(len(p) for p in prompt_ids)
-  prompts = np.full((len(prompt_ids), width), config.pad_id, np.int32)
-  for row, ids in enumerate(prompt_ids):
-    prompts[row, :len(ids)] = ids
-  lens = jnp.asarray([len(p) for p in prompt_ids], jnp.int32)
-  fn = jax.jit(functools.partial(generate.generate, config=config,
-                                 sampling=GREEDY, max_new_tokens=max_new_tokens))
-  run = lambda: fn(params, jnp.asarray(prompts), lens,
-                   config.init_cache(len(prompt_ids), width + max_new_tokens),
-                   jax.random.key(0))[0]
-  first, seconds, out = bench_common.timed(run, repeats=REPEATS.value)
-  tokens = int(np.asarray(out.lengths).sum())
-  return first - seconds, tokens / seconds, np.asarray(out.tokens)[:, :max_new_tokens]
+def step_costs(target) -> dict:
+  """Bandwidth limit and cached-forward costs (ms), measured in this process."""
+  params, config = target.params, target.config
+  weights = bench_common.weight_bytes(params)
+  gb_s = bench_common.bandwidth_gb_s(weights, repeats=REPEATS.value)
+  ms = lambda b, t: 1e3 * bench_common.forward_seconds(params, config, b, t,
+                                                       repeats=REPEATS.value)
+  per_tokens = {t: ms(1, t) for t in range(1, 10)}
+  return {"weight_mb": weights / 1e6, "bandwidth_gb_s": gb_s,
+          "limit_ms": weights / gb_s / 1e6, "batch1_ms": per_tokens,
+          "batch8_ms": ms(8, 1)}
+
+
+def engine_tps(target, prompt_ids, max_new_tokens) -> tuple[float, float, list]:
+  """(compile seconds, tokens/s, generated ids) of the slot engine, k = 0."""
+  engine = Engine(target, max_new_tokens=max_new_tokens,
+                  num_slots=len(prompt_ids))
+  start = time.perf_counter()
+  engine.generate_ids(prompt_ids)
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(REPEATS.value):
+    start = time.perf_counter()
+    results = engine.generate_ids(prompt_ids)
+    times.append(time.perf_counter() - start)
+  seconds = float(np.median(times))
+  tokens = sum(len(r.token_ids) for r in results)
+  return first - seconds, tokens / seconds, [r.token_ids for r in results]
 
 
 def main(argv):
   del argv
   target = model_flags.load_target()
+  costs = step_costs(target)
+  one = costs["batch1_ms"]
+  print(f"weights {costs['weight_mb']:.0f} MB, read bandwidth"
+        f" {costs['bandwidth_gb_s']:.1f} GB/s -> limit {costs['limit_ms']:.1f} ms"
+        f" per step; measured batch 1: {one[1]:.1f} ms"
+        f" ({costs['limit_ms'] / one[1]:.2f} of the limit; goal >= 0.85)")
+  print("one target call at batch 1, new tokens: "
+        + ", ".join(f"{t}: {v:.1f} ms (v {v / one[1]:.2f})" for t, v in one.items()))
+  print(f"v(k=4) = {one[5] / one[1]:.2f} (goal <= 1.3); batch 8, 1 token per row:"
+        f" {costs['batch8_ms']:.1f} ms = {costs['batch8_ms'] / one[1]:.2f}x batch 1"
+        " (goal <= 1.5)", flush=True)
   # No EOS stop, so every row decodes exactly max_new_tokens, as torch does.
-  config = target.config.replace(eos_id=-1)
-  variants = {"osd-jax (scan)": target.params,
-              "osd-jax (unrolled)": llama.unstack_layers(target.params)}
+  target.config = target.config.replace(eos_id=-1)
   torch_model = None
   if bench_common.torch_available():
     import torch  # pylint: disable=import-outside-toplevel
@@ -62,17 +86,14 @@ def main(argv):
   rows = []
   for batch in [int(b) for b in BATCH_SIZES.value]:
     prompt_ids = bench_common.bench_prompts(target, batch)
-    results = {}
-    for name, params in variants.items():
-      compile_s, tps, ids = _ours(params, config, prompt_ids, MAX_NEW_TOKENS.value)
-      results[name] = tps
-      rows.append((batch, name, compile_s, tps))
-      print(f"batch {batch} {name}: compile {compile_s:.1f} s, {tps:.1f} tokens/s",
-            flush=True)
+    compile_s, tps, ids = engine_tps(target, prompt_ids, MAX_NEW_TOKENS.value)
+    rows.append((batch, "osd-jax slot engine", compile_s, tps))
+    print(f"batch {batch} osd-jax: compile {compile_s:.1f} s, {tps:.1f} tokens/s",
+          flush=True)
     if torch_model is not None:
       r = torch_baseline.time_generate(torch_model, prompt_ids, MAX_NEW_TOKENS.value,
                                        target.config.pad_id, repeats=REPEATS.value)
-      same = np.mean(np.asarray(r["ids"]) == ids)
+      same = np.mean(np.asarray(r["ids"]) == np.asarray(ids))
       rows.append((batch, "transformers+torch", float("nan"), r["tokens_per_s"]))
       print(f"batch {batch} transformers: {r['tokens_per_s']:.1f} tokens/s"
             f" (greedy tokens equal to ours: {same:.0%})", flush=True)

@@ -1,18 +1,20 @@
-"""What online learning costs: serving throughput with learning on vs off, one run.
+"""What online learning costs and buys: throughput and alpha, learning on vs off, one run.
 
   python -m experiments.bench_online                    # real target, CPU defaults
-  python -m experiments.bench_online --num_requests=48  # shorter
+  python -m experiments.bench_online --num_requests=48 --update_steps=1,4
 
-Serves the same stream three times: learning off (update interval beyond the
-stream), learning on with the teacher kept from verification (top-k), and
-learning on with the teacher recomputed by a target forward at update time.
-The first batch of each (compilation) is excluded from every timing.
+Serves the same stream with learning off, then with learning on for each
+number of optimizer steps per update (and once with the teacher recomputed
+by a target forward instead of kept from verification). Every program is
+compiled before its stream is timed. Reports tokens/s, alpha over the first
+and last window, and how fast each setting raises alpha per second of wall
+clock: (alpha_last - alpha_first) / seconds.
 Goal: learning on costs at most 10 % of serving throughput.
 """
 
 import dataclasses
 
-from absl import app, flags
+from absl import flags
 import jax
 import numpy as np
 
@@ -23,35 +25,36 @@ from osd_jax.distillation.update import DistillConfig
 from osd_jax.serving import driver, online
 
 NUM_REQUESTS = flags.DEFINE_integer("num_requests", 64, "Requests per variant.")
-BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Requests per batch.")
+SLOTS = flags.DEFINE_integer("slots", 8, "Decode slots.")
 UPDATE_INTERVAL = flags.DEFINE_integer("update_interval", 8, "Requests per update.")
+UPDATE_STEPS = flags.DEFINE_list("update_steps", ["1", "2", "4"],
+                                 "Optimizer steps per update to compare.")
+BUFFER_CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples kept.")
 K = flags.DEFINE_integer("k", 4, "Draft tokens per step.")
-MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per request.")
-PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Prompt capacity.")
+MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request.")
+CACHE_SIZE = flags.DEFINE_integer("cache_size", 512, "Positions per slot.")
 TEACHER_TOPK = flags.DEFINE_integer("teacher_topk", 32, "Top-k kept from verification.")
+LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Draft learning rate.")
+RECOMPUTED = flags.DEFINE_bool("recomputed_teacher", True,
+                               "Also run with the teacher recomputed at update time.")
 DOMAIN = flags.DEFINE_string("domain", "math", "Stream domain.")
+WINDOW = flags.DEFINE_integer("window", 16, "Requests in the first/last window.")
 
 
 def _timed_run(target, draft, queries, cfg, mesh) -> dict:
-  """Serving seconds and tokens, and per-batch seconds with/without an update."""
+  """Tokens/s of the stream, alpha first/last, updates (compiles excluded)."""
   records = []
-  driver.run_stream(target, draft, queries, cfg, batch_size=BATCH_SIZE.value,
-                    mesh=mesh, categories=("math",), on_request=records.append)
-  batches = {}
-  for r in records:
-    if not r.get("skipped"):
-      batch = batches.setdefault(r["batch"], {"seconds": r["batch_seconds"],
-                                              "tokens": 0, "update": False})
-      batch["tokens"] += r["new_tokens"]
-      batch["update"] |= r["loss"] is not None
-  timed = [b for i, b in sorted(batches.items()) if i > 0]  # skip compile
-  seconds = sum(b["seconds"] for b in timed)
-  tokens = sum(b["tokens"] for b in timed)
-  with_update = [b["seconds"] for b in timed if b["update"]]
-  without = [b["seconds"] for b in timed if not b["update"]]
-  return {"tokens_per_s": tokens / seconds, "seconds": seconds,
-          "batch_s_with_update": float(np.mean(with_update)) if with_update else None,
-          "batch_s_without": float(np.mean(without)) if without else None}
+  driver.run_stream(target, draft, queries, cfg, num_slots=SLOTS.value, mesh=mesh,
+                    on_request=records.append, compile_first=True)
+  records = [r for r in records if not r.get("error")]
+  seconds = max(r["finished_s"] for r in records)
+  by_request = sorted(records, key=lambda r: r["request"])
+  window = WINDOW.value
+  return {"tokens_per_s": sum(r["new_tokens"] for r in records) / seconds,
+          "seconds": seconds,
+          "alpha_first": float(np.mean([r["alpha"] for r in by_request[:window]])),
+          "alpha_last": float(np.mean([r["alpha"] for r in by_request[-window:]])),
+          "updates": sum(1 for r in records if r.get("loss") is not None)}
 
 
 def main(argv):
@@ -59,39 +62,39 @@ def main(argv):
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   mesh = online.make_mesh(1)
-  queries = streams.make_stream("single", [DOMAIN.value], NUM_REQUESTS.value)
-  queries = [dataclasses.replace(q, category="math") for q in queries]
+  queries = [driver.Query(q.prompt, "default", q.domain) for q in
+             streams.make_stream("single", [DOMAIN.value], NUM_REQUESTS.value)]
   base = online.OnlineConfig(
       k=K.value, sampling=Sampling(), max_new_tokens=MAX_NEW_TOKENS.value,
-      prompt_len=PROMPT_LEN.value, update_interval=UPDATE_INTERVAL.value,
-      buffer_capacity=UPDATE_INTERVAL.value, teacher_k=TEACHER_TOPK.value,
-      distill=DistillConfig(learning_rate=1e-3))
-  variants = {
-      "learning off": dataclasses.replace(base, update_interval=len(queries) + 1),
-      f"on, teacher top-{TEACHER_TOPK.value} kept": base,
-      "on, teacher recomputed": dataclasses.replace(base, teacher_k=0),
-  }
+      cache_size=CACHE_SIZE.value, update_interval=UPDATE_INTERVAL.value,
+      buffer_capacity=BUFFER_CAPACITY.value, clear_after_update=False,
+      teacher_k=TEACHER_TOPK.value, loss_weighting="all",
+      distill=DistillConfig(learning_rate=LEARNING_RATE.value))
+  variants = {"learning off": dataclasses.replace(base, learn=False)}
+  for steps in [int(s) for s in UPDATE_STEPS.value]:
+    variants[f"on, {steps} step(s) per update"] = dataclasses.replace(
+        base, update_steps=steps)
+  if RECOMPUTED.value:
+    variants["on, 1 step, teacher recomputed"] = dataclasses.replace(base, teacher_k=0)
   results = {}
   for name, cfg in variants.items():
     print(f"running: {name}", flush=True)
     results[name] = _timed_run(target, draft, queries, cfg, mesh)
-  off = results["learning off"]["tokens_per_s"]
-  print(f"\n{'variant':34s} {'tokens/s':>9s} {'vs off':>7s} {'batch s (upd)':>14s}"
-        f" {'batch s (no upd)':>16s}")
+  off = results["learning off"]
+  print(f"\n{'variant':32s} {'tokens/s':>9s} {'vs off':>7s} {'alpha first':>11s}"
+        f" {'alpha last':>10s} {'updates':>7s} {'alpha gain/s':>12s}")
   for name, r in results.items():
-    upd = f"{r['batch_s_with_update']:.2f}" if r["batch_s_with_update"] else "-"
-    print(f"{name:34s} {r['tokens_per_s']:9.2f} {r['tokens_per_s'] / off:7.3f}"
-          f" {upd:>14s} {r['batch_s_without'] or float('nan'):16.2f}")
-  for name, r in results.items():
-    if r["batch_s_with_update"] and r["batch_s_without"]:
-      print(f"one update ({name}): ~{r['batch_s_with_update'] - r['batch_s_without']:.2f} s"
-            " (batch with update minus batch without)")
-  buffer = online.init_state(draft.params, base, 1, 0).buffer
-  per_sample = sum(x.nbytes for x in jax.tree.leaves(buffer)) / base.buffer_capacity
-  print(f"buffer: {per_sample / 1024:.1f} KiB per sample (max_len {base.max_len},"
-        f" top-{base.teacher_k} teacher); without the teacher:"
-        f" {(base.max_len * 4 + base.max_new_tokens * 4 + 9) / 1024:.1f} KiB")
-  worst = min(r["tokens_per_s"] / off for n, r in results.items() if n != "learning off")
+    gain = (r["alpha_last"] - r["alpha_first"]) / r["seconds"]
+    print(f"{name:32s} {r['tokens_per_s']:9.2f} {r['tokens_per_s'] / off['tokens_per_s']:7.3f}"
+          f" {r['alpha_first']:11.3f} {r['alpha_last']:10.3f} {r['updates']:7d}"
+          f" {gain:12.5f}")
+  state = online.init_state(draft.params, draft.drafter, target.config, base,
+                            num_devices=1, num_slots=1, seed=0)
+  per_sample = sum(x.nbytes for x in jax.tree.leaves(state.buffer)) / base.buffer_capacity
+  print(f"buffer: {per_sample / 1024:.1f} KiB per sample ({base.sample_len}"
+        f" positions, top-{base.teacher_k} teacher)")
+  worst = min(r["tokens_per_s"] / off["tokens_per_s"]
+              for n, r in results.items() if n != "learning off")
   print(f"goal: learning costs <= 10 % of throughput -> worst ratio {worst:.3f}"
         f" ({'met' if worst >= 0.9 else 'missed'})")
 

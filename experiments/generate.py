@@ -7,7 +7,8 @@
 import json
 import time
 
-from absl import app, flags
+from absl import flags
+import jax
 
 from experiments import cli, model_flags
 from osd_jax.decoding.engine import Engine, acceptance_by_position, summarize
@@ -44,9 +45,10 @@ def main(argv):
   if OUTPUT.value == "text":
     tokens = sum(len(c.token_ids) for c in completions)
     print(f"[{tokens} tokens in {seconds:.1f} s, compile included]")
-    if engine.last_state is not None:
-      m = summarize(engine.last_state.metrics)
-      by_pos = acceptance_by_position(engine.last_state.metrics)
+    if K.value:
+      totals = jax.tree.map(lambda x: x[None], engine.totals)
+      m = summarize(totals)
+      by_pos = acceptance_by_position(totals)
       print(f"[alpha {m['alpha']:.3f}, acceptance {m['acceptance_rate']:.3f},"
             f" {m['tokens_per_target_call']:.2f} tokens/target call,"
             f" by position {[round(x, 2) for x in by_pos]}]")

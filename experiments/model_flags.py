@@ -5,6 +5,9 @@ import jax
 
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.checkpoints import loading
+from osd_jax.decoding import drafts
+from osd_jax.distillation import warm_start
+from osd_jax.models import eagle
 
 TARGET = flags.DEFINE_string(
     "target", loading.DEFAULT_TARGET,
@@ -12,8 +15,27 @@ TARGET = flags.DEFINE_string(
     " file, or a Hugging Face Llama checkpoint directory.")
 DRAFT = flags.DEFINE_string(
     "draft", "derived",
-    "Draft model: 'derived' (cut from the target by --draft_layers and"
-    " --draft_head_vocab), a .gguf file or an HF checkpoint directory.")
+    "Draft kind (vLLM's names where they exist): 'derived' (a model cut from"
+    " the target by --draft_layers and --draft_head_vocab), 'eagle' (one"
+    " decoder block over the target's hidden states, its head the target's,"
+    " cut to --draft_head_vocab), 'ngram' (prompt lookup, no parameters), or a"
+    " .gguf file or an HF checkpoint directory of a draft model sharing the"
+    " target's tokenizer.")
+HYBRID = flags.DEFINE_bool(
+    "hybrid", False, "Propose the n-gram continuation wherever the context has"
+    " a match, and the learned draft elsewhere.")
+WARM_START = flags.DEFINE_enum(
+    "warm_start", "none", ["none", "chat"],
+    "Start a learned draft distilled on general chat text (ShareGPT, teacher-"
+    "forced): built once, cached under ~/.cache/osd_jax/warm_start. 'none' is"
+    " the cold start.")
+WARM_START_CONVERSATIONS = flags.DEFINE_integer(
+    "warm_start_conversations", 800, "Chat conversations the warm start reads.")
+WARM_START_EPOCHS = flags.DEFINE_integer("warm_start_epochs", 2, "Warm-start epochs.")
+EAGLE_ROLLOUT = flags.DEFINE_integer(
+    "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.")
+NGRAM_MAX = flags.DEFINE_integer("ngram_max", 3, "Longest suffix n-gram looked up.")
+NGRAM_MIN = flags.DEFINE_integer("ngram_min", 1, "Shortest suffix n-gram looked up.")
 DRAFT_LAYERS = flags.DEFINE_list(
     "draft_layers", ["0", "1"], "Target layers the derived draft keeps.")
 DRAFT_HEAD_VOCAB = flags.DEFINE_integer(
@@ -41,12 +63,45 @@ def load_target() -> loading.LoadedModel:
   return loading.load(TARGET.value, param_dtype=DTYPE.value, dtype=DTYPE.value)
 
 
-def load_draft(target: loading.LoadedModel) -> loading.LoadedModel:
-  """The draft named by --draft, checked against the target's tokenizer."""
-  if DRAFT.value == "derived":
+def load_draft_model(target: loading.LoadedModel,
+                     kind: str | None = None) -> loading.LoadedModel:
+  """The draft model named by --draft, checked against the target's tokenizer."""
+  kind = kind or DRAFT.value
+  if kind == "derived":
     head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
             if DRAFT_HEAD_VOCAB.value else None)
     return draft_lib.derive(target, [int(i) for i in DRAFT_LAYERS.value], head)
-  draft = loading.load(DRAFT.value, param_dtype=DTYPE.value, dtype=DTYPE.value)
+  draft = loading.load(kind, param_dtype=DTYPE.value, dtype=DTYPE.value)
   loading.check_pair(target, draft)
+  return draft
+
+
+def load_draft(target: loading.LoadedModel, kind: str | None = None,
+               hybrid: bool | None = None) -> drafts.Draft:
+  """The drafter and parameters that --draft and --hybrid name (or kind, hybrid)."""
+  kind = kind or DRAFT.value
+  hybrid = HYBRID.value if hybrid is None else hybrid
+  lookup = drafts.NGramDraft(target.config.vocab_size, NGRAM_MAX.value,
+                             NGRAM_MIN.value)
+  if kind == "ngram":
+    if hybrid:
+      raise ValueError("--hybrid needs a learned draft, not --draft=ngram.")
+    return drafts.Draft(lookup, (), f"ngram {NGRAM_MIN.value}..{NGRAM_MAX.value}")
+  if kind == "eagle":
+    head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
+            if DRAFT_HEAD_VOCAB.value else None)
+    draft = drafts.Draft(
+        drafts.FeatureDraft(eagle.FeatureConfig(target.config, head),
+                            rollout=EAGLE_ROLLOUT.value),
+        eagle.init_params(target.params, target.config),
+        f"eagle block on {target.source}" + (f", head {len(head)} tokens" if head else ""))
+  else:
+    model = load_draft_model(target, kind)
+    draft = drafts.Draft(drafts.ModelDraft(model.config), model.params, model.source)
+  if WARM_START.value == "chat":
+    draft = warm_start.load_or_build(target, draft, warm_start.WarmStartConfig(
+        conversations=WARM_START_CONVERSATIONS.value, epochs=WARM_START_EPOCHS.value))
+  if hybrid:
+    return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
+                        f"{draft.source} + ngram")
   return draft

@@ -118,7 +118,7 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(FLAGS.compilation_cache))
   target = model_flags.load_target()
-  draft = model_flags.load_draft(target)
+  draft = model_flags.load_draft_model(target)  # offline distillation: a model draft
   cfg = config_from_flags()
   print(f"target {target.source}\ndraft {draft.source}\n{cfg}", flush=True)
   train_ids = _prompts(target, TRAIN, FLAGS.num_train, FLAGS)

@@ -1,10 +1,12 @@
-"""The main job: serve a shifting query stream speculatively, distilling the draft online.
+"""The main job: serve a shifting query stream, distilling the draft online, and time it.
 
   python -m experiments.online --output_dir=outputs/online            # defaults
-  python -m experiments.online --num_requests=64 --output_dir=/tmp/o  # a quick look
+  python -m experiments.online --num_requests=48 --output_dir=/tmp/o  # a quick look
 
-Runs the stream twice with the same seed: once with the draft kept static,
-once learning online, and plots both rolling alpha curves.
+Serves the same stream three times with continuous batching: target-only,
+speculatively with the draft kept static, and learning online. Reports
+alpha, tokens per target call, tokens/s and the speed-up over target-only
+per segment and over the last window, and plots alpha and tokens/s.
 """
 
 import dataclasses
@@ -13,37 +15,49 @@ import os
 import time
 
 from absl import app, flags
-import numpy as np
 
 from experiments import cli, model_flags, multihost_flags, plots
 from osd_jax.data import streams
+from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import losses, samples
 from osd_jax.distillation.update import DistillConfig
 from osd_jax.serving import distributed, driver, online
 from osd_jax.serving.checkpoint import Checkpointer
-from osd_jax.serving.report import Reporter, read_jsonl
+from osd_jax.serving.report import Reporter, read_jsonl, speed_summary
 
 # Serving.
 K = flags.DEFINE_integer("k", 4, "Draft tokens per speculative step.")
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Serving temperature; 0 = greedy.")
 TOP_P = flags.DEFINE_float("top_p", 1.0, "Serving nucleus mass.")
 TOP_K = flags.DEFINE_integer("top_k", 0, "Serving top-k; 0 = off.")
-MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per request.")
-PROMPT_LEN = flags.DEFINE_integer(
-    "prompt_len", 192, "Prompt capacity in tokens; longer prompts are skipped.")
-BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Requests per batch, all devices.")
+MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request.")
+CACHE_SIZE = flags.DEFINE_integer(
+    "cache_size", 512, "Positions per slot: prompt + max_new_tokens + k must fit;"
+    " a longer request gets an error record and the stream goes on.")
+SLOTS = flags.DEFINE_integer("slots", 8, "Decode slots (requests in flight), all devices.")
+STEPS_PER_CALL = flags.DEFINE_integer(
+    "steps_per_call", 8, "Speculative steps per compiled call between slot refills.")
 DEVICES = flags.DEFINE_string("devices", "all", "'all' or how many local devices.")
 CHAT = flags.DEFINE_bool("chat", True, "Wrap queries in the chat template.")
+RUNS = flags.DEFINE_list(
+    "runs", ["target", "static", "online"],
+    "Which passes over the stream: target (target-only), static (the draft"
+    " never learns), online (the draft learns as it serves).")
 # Learning.
 UPDATE_INTERVAL = flags.DEFINE_integer(
-    "update_interval", 8, "I: requests between draft updates (paper: 8).")
+    "update_interval", 8, "I: finished requests between draft updates (paper: 8).")
+UPDATE_STEPS = flags.DEFINE_integer(
+    "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
 BUFFER_CAPACITY = flags.DEFINE_integer(
     "buffer_capacity", 16, "Samples kept per device (and draft).")
 KEEP_BUFFER = flags.DEFINE_bool(
     "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
     " is seen capacity / update_interval times (the paper clears it:"
     " --nokeep_buffer --buffer_capacity=8).")
+TRAIN_LEN = flags.DEFINE_integer(
+    "train_len", 0, "Positions of a buffered sample (0: --cache_size); longer"
+    " requests are served but not learnt from.")
 TEACHER_TOPK = flags.DEFINE_integer(
     "teacher_topk", 32, "Keep the target's top-k from verification; 0 ="
     " recompute the teacher with a target forward at update time.")
@@ -81,19 +95,18 @@ CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Orbax checkpoints (default OUTPUT_DIR/checkpoints).")
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 64, "Requests between saves.")
 RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_dir.")
-COMPARE_STATIC = flags.DEFINE_bool(
-    "compare_static", True, "Also serve the stream with the draft kept static.")
-WINDOW = flags.DEFINE_integer("window", 32, "Rolling-alpha window (requests).")
-PROGRESS_EVERY = flags.DEFINE_integer("progress_every", 16,
-                                      "Print a progress line every N requests.")
+WINDOW = flags.DEFINE_integer(
+    "window", 16, "Requests in the rolling alpha and in the per-segment and"
+    " last-window figures.")
 
 
-def online_config(num_drafts: int) -> online.OnlineConfig:
+def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
   """The loop's static settings from flags."""
   return online.OnlineConfig(
-      k=K.value, sampling=Sampling(TEMPERATURE.value, TOP_K.value, TOP_P.value),
-      max_new_tokens=MAX_NEW_TOKENS.value, prompt_len=PROMPT_LEN.value,
-      update_interval=UPDATE_INTERVAL.value,
+      k=k, sampling=Sampling(TEMPERATURE.value, TOP_K.value, TOP_P.value),
+      max_new_tokens=MAX_NEW_TOKENS.value, cache_size=CACHE_SIZE.value,
+      train_len=TRAIN_LEN.value, steps_per_call=STEPS_PER_CALL.value, learn=learn,
+      update_interval=UPDATE_INTERVAL.value, update_steps=UPDATE_STEPS.value,
       buffer_capacity=BUFFER_CAPACITY.value,
       clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,
       loss_weighting=LOSS_WEIGHTING.value, sample_source=SAMPLE_SOURCE.value,
@@ -107,91 +120,109 @@ def online_config(num_drafts: int) -> online.OnlineConfig:
 
 
 def summarize(name: str, path: str, tail: int) -> dict:
-  """First/last-window alpha and engine metrics of one run's JSONL."""
+  """Alpha, tokens per call and tokens/s per segment and last window of one run."""
   records = read_jsonl(path)
-  alpha = np.array([r["alpha"] for r in records])
-  mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else float("nan")
   return {"run": name, "requests": len(records),
-          "alpha_first": float(alpha[:tail].mean()),
-          "alpha_last": float(alpha[-tail:].mean()),
-          "acceptance_last": mean("acceptance_rate", records[-tail:]),
-          "tokens_per_call_last": mean("tokens_per_target_call", records[-tail:]),
-          "updates": sum(1 for r in records if r.get("loss") is not None)}
+          "updates": sum(1 for r in records if r.get("loss") is not None),
+          **speed_summary(records, tail=tail)}
+
+
+def with_speedups(summaries: list[dict]) -> list[dict]:
+  """Each run's tokens/s over target-only's, per segment and over the last window."""
+  base = next((s for s in summaries if s["run"] == "target"), None)
+  if base is None:
+    return summaries
+  for s in summaries:
+    for seg, ref in zip(s["segments"], base["segments"]):
+      seg["speedup"] = seg["tokens_per_s"] / ref["tokens_per_s"]
+    s["last"]["speedup"] = s["last"]["tokens_per_s"] / base["last"]["tokens_per_s"]
+    s["speedup"] = s["tokens_per_s"] / base["tokens_per_s"]
+  return summaries
 
 
 def main(argv):
   del argv
   multihost_flags.maybe_initialize()
+  unknown = set(RUNS.value) - {"target", "static", "online"}
+  if unknown:
+    raise app.UsageError(f"--runs has unknown passes {sorted(unknown)}.")
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   num_devices = None if DEVICES.value == "all" else int(DEVICES.value)
   if num_devices and multihost_flags.MULTIHOST.value:
     raise app.UsageError("--multihost runs on every device: keep --devices=all.")
   mesh = online.make_mesh(num_devices)
-  queries = streams.make_stream(
+  queries = [driver.Query(r.prompt, r.category, r.domain) for r in streams.make_stream(
       STREAM.value, DOMAINS.value, NUM_REQUESTS.value, seed=SEED.value,
-      category_key=CATEGORY_KEY.value, manual_dir=MANUAL_DIR.value)
+      category_key=CATEGORY_KEY.value, manual_dir=MANUAL_DIR.value)]
   categories = sorted({q.category for q in queries})
   num_drafts = len(categories) if NUM_DRAFTS.value == "per_category" else 1
-  cfg = online_config(num_drafts)
+  learnable = draft.params != ()
+  if "online" in RUNS.value and not learnable:
+    raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
+                         " pass --runs=target,static.")
+  cfg = online_config(num_drafts, K.value, learn=True)
   print(f"target {target.source}\ndraft {draft.source}\n{len(queries)} requests,"
-        f" categories {categories}, {mesh.size} device(s), {num_drafts} draft(s)")
+        f" categories {categories}, {mesh.size} device(s), {SLOTS.value} slots,"
+        f" {num_drafts} draft(s)")
   os.makedirs(OUTPUT_DIR.value, exist_ok=True)
   # What a resumed run must share with the checkpoint it continues.
   run_config = {"online": dataclasses.asdict(cfg), "target": target.source,
                 "draft": draft.source, "stream": STREAM.value,
                 "domains": DOMAINS.value, "num_requests": NUM_REQUESTS.value,
-                "seed": SEED.value, "batch_size": BATCH_SIZE.value,
+                "seed": SEED.value, "slots": SLOTS.value,
                 "devices": mesh.size, "chat": CHAT.value}
-  checkpointer = Checkpointer(
-      CHECKPOINT_DIR.value or os.path.join(OUTPUT_DIR.value, "checkpoints"),
-      run_config, resume=RESUME.value)
-  runs = [("online", cfg, checkpointer)]
-  if COMPARE_STATIC.value:
-    # Same draft, same stream, an update interval beyond the stream: static.
-    static = dataclasses.replace(cfg, update_interval=len(queries) + 1)
-    runs.insert(0, ("static", static, None))
+  checkpointer = None
+  if "online" in RUNS.value:
+    checkpointer = Checkpointer(
+        CHECKPOINT_DIR.value or os.path.join(OUTPUT_DIR.value, "checkpoints"),
+        run_config, resume=RESUME.value)
+  passes = {
+      "target": (Draft(NoDraft(target.config.vocab_size), (), "none"),
+                 online_config(1, 0, learn=False), None),
+      "static": (draft, dataclasses.replace(cfg, learn=False), None),
+      "online": (draft, cfg, checkpointer)}
   primary = distributed.is_primary()  # only process 0 writes results
   summaries = []
-  for name, run_cfg, ckpt in runs:
+  for name in [r for r in ("target", "static", "online") if r in RUNS.value]:
+    run_draft, run_cfg, ckpt = passes[name]
     path = os.path.join(OUTPUT_DIR.value, f"{name}.jsonl")
     done_marker = os.path.join(OUTPUT_DIR.value, f"{name}.done")
-    if name == "static" and RESUME.value and os.path.exists(done_marker):
-      print("static run already done; not repeated on resume")
+    if ckpt is None and RESUME.value and os.path.exists(done_marker):
+      print(f"[{name}] already done; not repeated on resume")
     else:
-      reporter = (Reporter(OUTPUT_DIR.value, name, window=WINDOW.value,
-                           every=PROGRESS_EVERY.value,
+      reporter = (Reporter(OUTPUT_DIR.value, name, total=len(queries),
+                           window=WINDOW.value,
                            append=RESUME.value and ckpt is not None)
                   if primary else None)
       start = time.perf_counter()
-      driver.run_stream(target, draft, queries, run_cfg,
-                        batch_size=BATCH_SIZE.value, mesh=mesh, seed=SEED.value,
-                        chat=CHAT.value, categories=categories,
-                        checkpointer=ckpt, checkpoint_every=CHECKPOINT_EVERY.value,
-                        on_request=reporter or (lambda record: None))
+      driver.run_stream(target, run_draft, queries, run_cfg, num_slots=SLOTS.value,
+                        mesh=mesh, seed=SEED.value, chat=CHAT.value,
+                        categories=categories, checkpointer=ckpt,
+                        checkpoint_every=CHECKPOINT_EVERY.value,
+                        on_request=reporter or (lambda record: None),
+                        compile_first=True)
       if reporter is not None:
         reporter.close()
         open(done_marker, "w").close()
         print(f"[{name}] done in {time.perf_counter() - start:.0f} s,"
-              f" {reporter.skipped} prompts skipped (longer than --prompt_len)")
+              f" {reporter.errors} requests refused (too long for a slot)")
     if primary:
       summaries.append(summarize(name, path, WINDOW.value))
-  checkpointer.close()
+  if checkpointer is not None:
+    checkpointer.close()
   if not primary:
     return
-  curves = {s["run"]: [r["alpha"] for r in read_jsonl(
-      os.path.join(OUTPUT_DIR.value, f"{s['run']}.jsonl"))] for s in summaries}
-  served = read_jsonl(os.path.join(OUTPUT_DIR.value, f"{summaries[-1]['run']}.jsonl"))
-  boundaries = [(r["served"], r["domain"]) for i, r in enumerate(served)
-                if i == 0 or r["domain"] != served[i - 1]["domain"]]
-  plots.rolling_alpha(curves, os.path.join(OUTPUT_DIR.value, "alpha.png"),
-                      window=WINDOW.value, boundaries=boundaries,
-                      title=f"{STREAM.value} stream, k={K.value}")
+  summaries = with_speedups(summaries)
+  records = {s["run"]: read_jsonl(os.path.join(OUTPUT_DIR.value, f"{s['run']}.jsonl"))
+             for s in summaries}
+  plots.stream_figures(records, OUTPUT_DIR.value, window=WINDOW.value,
+                       title=f"{STREAM.value} stream, k={K.value}")
   with open(os.path.join(OUTPUT_DIR.value, "summary.json"), "w") as f:
     json.dump(summaries, f, indent=2)
-  for s in summaries:
-    print(json.dumps(s))
-  print(f"plot: {os.path.join(OUTPUT_DIR.value, 'alpha.png')}")
+  print(plots.summary_table(summaries))
+  print(f"plots: {os.path.join(OUTPUT_DIR.value, 'alpha.png')},"
+        f" {os.path.join(OUTPUT_DIR.value, 'speed.png')}")
 
 
 if __name__ == "__main__":

@@ -8,18 +8,20 @@ joined by jax.distributed through experiments.multihost_flags:
       [--multihost --coordinator=127.0.0.1:PORT --num_processes=2 --process_id=I]
       [--interleave]
 
-With --checkpoint_dir the stream is served in two parts: the first 16
-requests with orbax checkpoints, then a fresh run_stream that resumes from
-the checkpoint and serves the rest. Without it the stream runs straight
-through. --interleave orders the mesh so that the processes' devices
-alternate (as a topology-aware mesh may), so that no host feeds a contiguous
-block of rows. Only process 0 writes into --out_dir: the final draft params
-(params.npz), the per-request records (records.json) and a Reporter's JSONL.
-Every process prints a digest line of what it computed, for the test to
-compare across processes.
+With --checkpoint_dir the stream is checkpointed every 4 served requests
+and interrupted (an exception from the record callback, on every process
+alike) after 14 records; a fresh run_stream then resumes from the last
+checkpoint, requests in flight included, and serves the rest. Records the
+interrupted run emitted after that checkpoint are dropped: the resumed run
+emits them again. Without it the stream runs straight through.
+--interleave orders the mesh so that the processes' devices alternate (as a
+topology-aware mesh may), so that no host feeds a contiguous block of slots.
+Only process 0 writes into --out_dir: the final draft params (params.npz),
+the per-request records (records.json) and a Reporter's JSONL. Every process
+prints a digest line of what it computed, for the test to compare across
+processes.
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -40,6 +42,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from experiments import multihost_flags
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.checkpoints.loading import LoadedModel
+from osd_jax.decoding.drafts import Draft, ModelDraft
 from osd_jax.distillation.update import DistillConfig
 from osd_jax.models import config as configs
 from osd_jax.models import llama
@@ -54,14 +57,32 @@ INTERLEAVE = flags.DEFINE_bool(
     "interleave", False, "Order the mesh so that processes alternate, device by"
     " device: no host owns a contiguous block of rows.")
 
-BATCH_SIZE = 8
+SLOTS = 8  # one per device
 NUM_REQUESTS = 24
-FIRST_PART = 16  # requests served before the resume (two full batches)
-LONG_PROMPT = 20  # this request's prompt exceeds prompt_len: skipped
+EVERY = 4  # served requests between checkpoints
+INTERRUPT_AFTER = 14  # records emitted before the first run is stopped
+LONG_PROMPT = 20  # this request's prompt cannot fit a slot: an error record
 CHARS = string.ascii_lowercase + " "
 CFG = online.OnlineConfig(
-    k=3, max_new_tokens=8, prompt_len=16, update_interval=4, buffer_capacity=2,
-    teacher_k=8, distill=DistillConfig(learning_rate=1e-2))
+    k=3, max_new_tokens=8, cache_size=32, steps_per_call=2, update_interval=4,
+    buffer_capacity=2, teacher_k=8, distill=DistillConfig(learning_rate=1e-2))
+TIMING = ("queue_s", "ttft_s", "itl_s", "finished_s")
+
+
+class Interrupt(Exception):
+  pass
+
+
+class Saves(Checkpointer):
+  """Notes how many records had been emitted when each checkpoint was written."""
+
+  def __init__(self, *args, records, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.records, self.saved = records, [0]
+
+  def save(self, step, state, host):
+    super().save(step, state, host)
+    self.saved.append(len(self.records))
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -75,7 +96,7 @@ def tokenizer() -> transformers.PreTrainedTokenizerFast:
       eos_token="</s>", unk_token="<pad>")
 
 
-def models_pair() -> tuple[LoadedModel, LoadedModel]:
+def models_pair() -> tuple[LoadedModel, Draft]:
   """A random 2-layer target (numpy-filled, same on every host) and a 1-layer draft."""
   config = configs.tiny(vocab_size=32, num_layers=2, tie_embeddings=False)
   shapes = jax.eval_shape(lambda: llama.init_params(config, jax.random.key(0)))
@@ -90,14 +111,15 @@ def models_pair() -> tuple[LoadedModel, LoadedModel]:
 
   params = jax.tree_util.tree_map_with_path(fill, shapes)
   target = LoadedModel(config, params, tokenizer(), "tiny random target")
-  return target, draft_lib.derive(target, [0])
+  cut = draft_lib.derive(target, [0])
+  return target, Draft(ModelDraft(cut.config), cut.params, cut.source)
 
 
 def queries() -> list[driver.Query]:
   rng = np.random.default_rng(1)
   out = []
   for i in range(NUM_REQUESTS):
-    length = 20 if i == LONG_PROMPT else int(rng.integers(3, 12))
+    length = 25 if i == LONG_PROMPT else int(rng.integers(3, 12))  # fits: <= 21
     out.append(driver.Query("".join(rng.choice(list(CHARS[:-1]), length))))
   return out
 
@@ -123,8 +145,6 @@ def main(argv):
 def work(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every step at INFO
-  # Both run_streams of the checkpointed run share one compiled step.
-  online.make_step = functools.lru_cache(online.make_step)
   start = time.perf_counter()
   log = lambda what: print(f"[{time.perf_counter() - start:5.1f} s] {what}",
                            flush=True)
@@ -142,40 +162,45 @@ def work(argv):
     mesh = jax.sharding.Mesh(np.array(devices), (online.AXIS,))
   log("mesh rows by process: "
       + "".join(str(d.process_index) for d in mesh.devices))
-  primary = distributed.is_primary()
   records = []
-  reporter = (Reporter(OUT_DIR.value, "online", tensorboard=False, every=8)
-              if primary else None)
 
-  def on_request(record):
-    records.append(record)
-    if reporter is not None:
-      reporter(record)
+  def run(stop_after=None, **kwargs):
+    def on_request(record):
+      if stop_after is not None and len(records) == stop_after:
+        raise Interrupt
+      records.append({k: v for k, v in record.items() if k not in TIMING})
+    return driver.run_stream(target, draft, stream, CFG, num_slots=SLOTS, mesh=mesh,
+                             seed=0, chat=False, on_request=on_request, **kwargs)
 
-  run = lambda requests, **kw: driver.run_stream(
-      target, draft, requests, CFG, batch_size=BATCH_SIZE, mesh=mesh, seed=0,
-      chat=False, on_request=on_request, **kw)
   if CHECKPOINT_DIR.value:
-    run_config = {"online": str(CFG), "batch_size": BATCH_SIZE}
-    first = Checkpointer(CHECKPOINT_DIR.value, run_config, resume=False)
-    run(stream[:FIRST_PART], checkpointer=first, checkpoint_every=8)
+    run_config = {"online": str(CFG), "slots": SLOTS}
+    first = Saves(CHECKPOINT_DIR.value, run_config, resume=False, records=records)
+    try:
+      run(stop_after=INTERRUPT_AFTER, checkpointer=first, checkpoint_every=EVERY)
+      raise AssertionError("the first run was not interrupted")
+    except Interrupt:
+      pass
     first.close()
-    log("first part served and checkpointed")
+    del records[first.saved[-1]:]  # the resumed run emits these again
+    log(f"interrupted after {INTERRUPT_AFTER} records, {len(records)} checkpointed")
     resumed = Checkpointer(CHECKPOINT_DIR.value, run_config, resume=True)
-    state = run(stream, checkpointer=resumed, checkpoint_every=8)
+    state = run(checkpointer=resumed, checkpoint_every=EVERY)
     resumed.close()
   else:
-    state = run(stream)
+    state = run()
   log("stream served")
   params = distributed.gather(state.draft_params)
   counters = distributed.gather((state.num_updates, state.num_skipped))
-  records_digest = hashlib.sha256(json.dumps(
-      [{k: v for k, v in r.items() if k not in ("batch_seconds", "batch")}
-       for r in records], sort_keys=True).encode()).hexdigest()[:16]
+  records_digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()
+                                  ).hexdigest()[:16]
   print(f"DIGEST process={jax.process_index()} params={digest(params)}"
         f" records={records_digest} updates={int(counters[0][0])}"
         f" skipped={int(counters[1][0])}", flush=True)
-  if primary:
+  if distributed.is_primary():
+    reporter = Reporter(OUT_DIR.value, "online", total=len(stream),
+                        tensorboard=False)
+    for record in records:
+      reporter(record)
     reporter.close()
     flat = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
             jax.tree_util.tree_leaves_with_path(params)}

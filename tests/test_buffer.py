@@ -123,14 +123,14 @@ def test_add_under_jit_equals_eager():
     np.testing.assert_array_equal(a, b)
 
 
-def documented_bytes_per_sample(max_len, gen_len, teacher_k):
+def documented_bytes_per_sample(max_len, gen_len, teacher_k, hidden_dim=0):
   """Evaluates the formula stated in Buffer's docstring."""
   doc = " ".join(Buffer.__doc__.split())
   m = re.search(r"Memory per sample: (\d+) max_len \+ gen_len \((\d+) \+ (\d+)"
-                r" teacher_k\) \+ (\d+) bytes", doc)
+                r" teacher_k\) \+ (\d+) max_len hidden_dim \+ (\d+) bytes", doc)
   assert m, f"memory formula not found in the docstring: {doc}"
-  a, b, c, d = map(int, m.groups())
-  return a * max_len + gen_len * (b + c * teacher_k) + d
+  a, b, c, h, d = map(int, m.groups())
+  return a * max_len + gen_len * (b + c * teacher_k) + h * max_len * hidden_dim + d
 
 
 def slot_bytes(buffer: Buffer):
@@ -145,11 +145,20 @@ def test_documented_example_size():
   assert documented_bytes_per_sample(192, 64, 32) / 1000 == pytest.approx(17.4, abs=0.05)
 
 
-@pytest.mark.parametrize("max_len, gen_len, teacher_k", [(6, 3, 2), (192, 64, 32),
-                                                         (20, 8, 0)])
-def test_memory_per_sample_is_one_slot(max_len, gen_len, teacher_k):
-  buffer = jax.eval_shape(lambda: Buffer.empty(7, max_len, gen_len, teacher_k))
+def test_documented_hidden_size():
+  """The docstring's feature-draft figure: +221 KB for 192 positions of 576."""
+  extra = (documented_bytes_per_sample(192, 64, 32, 576)
+           - documented_bytes_per_sample(192, 64, 32))
+  assert extra / 1000 == pytest.approx(221, abs=0.5)
+
+
+@pytest.mark.parametrize("max_len, gen_len, teacher_k, hidden_dim", [
+    (6, 3, 2, 0), (192, 64, 32, 0), (20, 8, 0, 0), (20, 8, 4, 16)])
+def test_memory_per_sample_is_one_slot(max_len, gen_len, teacher_k, hidden_dim):
+  make = lambda: Buffer.empty(7, max_len, gen_len, teacher_k, hidden_dim)
+  buffer = jax.eval_shape(make)
   per_slot = sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize
                  for x in jax.tree.leaves(buffer) if x.ndim and x.shape[0] == 7)
-  assert per_slot == slot_bytes(Buffer.empty(7, max_len, gen_len, teacher_k))
-  assert documented_bytes_per_sample(max_len, gen_len, teacher_k) == per_slot
+  assert per_slot == slot_bytes(make())
+  assert documented_bytes_per_sample(max_len, gen_len, teacher_k,
+                                     hidden_dim) == per_slot

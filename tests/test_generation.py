@@ -1,5 +1,6 @@
 """Target-only generation, sampling rules, the Engine host API and the CLI."""
 
+import collections
 import json
 import os
 import subprocess
@@ -10,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.checkpoints.loading import LoadedModel
+from osd_jax.decoding import slots
 from osd_jax.decoding.engine import Engine
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import config as configs
@@ -48,15 +51,17 @@ MAX_NEW = 12
 
 def generate(model, prompt_ids=PROMPTS, max_new_tokens=MAX_NEW,
              sampling=Sampling(), seed=0):
-  """Generated ids per row, cut at each row's length."""
+  """Generated ids (EOS included) of each request."""
   engine = Engine(model, sampling=sampling, max_new_tokens=max_new_tokens)
-  tokens, lengths, _ = engine.generate_ids(prompt_ids, seed)
-  return [row[:n].tolist() for row, n in zip(tokens, lengths)]
+  return [r.token_ids for r in engine.generate_ids(prompt_ids, seed)]
 
 
 def naive_greedy(model, prompt, max_new_tokens):
-  """Argmax of a full forward per token, no cache (padding right is causal-safe)."""
-  width = len(prompt) + max_new_tokens
+  """Argmax of a full forward per token, no cache (padding right is causal-safe).
+
+  Short sequences share one padded width: one compiled forward for all.
+  """
+  width = max(64, len(prompt) + max_new_tokens)
   sequence = list(prompt)
   for _ in range(max_new_tokens):
     padded = jnp.asarray([sequence + [0] * (width - len(sequence))])
@@ -168,14 +173,17 @@ def test_bad_engine_settings(model, kwargs, message):
     Engine(model, **kwargs)
 
 
-@pytest.mark.parametrize("k, prompt_len, max_new_tokens, message", [
-    (0, 0, 4, "at least 1"),
-    (2, 1, 4, "at least 2"),
-    (0, 500, 13, "exceeds the context of 512"),
-    (3, 500, 10, "exceeds the context of 512"),
+@pytest.mark.parametrize("k, prompt_len, max_new_tokens, cache_size, message", [
+    (0, 0, 4, None, "at least 1 token; got an empty one"),
+    (2, 0, 4, None, "at least 1 token; got an empty one"),
+    (0, 500, 13, None, "Prompt of 500 tokens .* exceeds the context of 512"),
+    (3, 500, 10, None, "Prompt of 500 tokens .* exceeds the context of 512"),
+    (2, 20, 12, 32, "exceeds the engine's 32-position slots"),
 ])
-def test_bad_prompts(model, k, prompt_len, max_new_tokens, message):
-  engine = Engine(model, model if k else None, k=k, max_new_tokens=max_new_tokens)
+def test_bad_prompts(model, k, prompt_len, max_new_tokens, cache_size, message):
+  """Any bad request in the list fails the call up front, before any compile."""
+  engine = Engine(model, model if k else None, k=k, max_new_tokens=max_new_tokens,
+                  cache_size=cache_size)
   prompts = prompts_of_lengths([5, prompt_len])
   with pytest.raises(ValueError, match=message):
     engine.generate_ids(prompts)
@@ -183,18 +191,117 @@ def test_bad_prompts(model, k, prompt_len, max_new_tokens, message):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_that_just_fits(model, k):
+  """prompt + max_new_tokens + k == the context: served, and served right."""
+  prompt = prompts_of_lengths([500])
   engine = Engine(model, model if k else None, k=k, max_new_tokens=12 - k)
-  padded, lengths, cache_size = engine.pad(prompts_of_lengths([5, 500]))
-  assert padded.shape == (2, 512) and lengths.tolist() == [5, 500]
-  assert cache_size == 512 == model.config.max_positions
+  [result] = engine.generate_ids(prompt)
+  assert result.token_ids == naive_greedy(model, prompt[0], 12 - k)
 
 
 def test_prompt_bucket_never_outgrows_the_context():
-  """97 tokens pad to a bucket of 128 > 100 positions: the bucket is cut."""
+  """97 tokens would pad to a bucket of 128 > 100 positions: the bucket is cut."""
   short = tiny_model(max_positions=100)
   prompt = prompts_of_lengths([97])
-  assert Engine(short, max_new_tokens=3).pad(prompt)[0].shape == (1, 100)
+  assert slots.bucket(97, short.config.max_positions) == 100
   assert generate(short, prompt, max_new_tokens=3) == [naive_greedy(short, prompt[0], 3)]
+
+
+# --- continuous batching ------------------------------------------------------
+
+# More requests than slots, lengths 1..15: slots are refilled many times.
+STREAM = prompts_of_lengths((1, 7, 3, 12, 2, 9, 5, 1, 15, 4, 8), seed=1)
+
+
+@pytest.fixture(scope="module")
+def stream_model(model):
+  """The model with an EOS it emits at different steps of different requests."""
+  rows = [naive_greedy(model, p, MAX_NEW) for p in STREAM]
+  first_at = collections.defaultdict(set)
+  for row in rows:
+    for token in set(row):
+      first_at[token].add(row.index(token))
+  eos = max(first_at, key=lambda t: len(first_at[t]))
+  return with_eos(model, eos)
+
+
+@pytest.fixture(scope="module")
+def stream_expected(stream_model):
+  rows = [naive_greedy(stream_model, p, MAX_NEW) for p in STREAM]
+  assert len({len(r) for r in rows}) > 3 and MAX_NEW in {len(r) for r in rows}
+  return rows
+
+
+def stream_engine(model, k, num_slots=3):
+  draft = draft_lib.derive(model, [0, 1]) if k else None
+  return Engine(model, draft, k=k, max_new_tokens=MAX_NEW, num_slots=num_slots,
+                steps_per_call=2)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_stream_through_few_slots_equals_one_by_one(stream_model, stream_expected, k):
+  engine = stream_engine(stream_model, k)
+  served = [r.token_ids for r in engine.generate_ids(STREAM)]
+  assert served == stream_expected
+  assert [engine.generate_ids([p])[0].token_ids for p in STREAM] == stream_expected
+
+
+def test_refilled_slot_keeps_no_trace_of_its_last_request(model):
+  """A request after a long one in the same slot: same tokens, same metrics."""
+  engine = stream_engine(model, k=2, num_slots=1)
+  long_one, request = prompts_of_lengths([40, 3], seed=2)
+  # Its stale cache and tokens lie past every position the request reaches.
+  assert len(long_one) > len(request) + MAX_NEW
+  [alone] = engine.generate_ids([request])
+  _, after = engine.generate_ids([long_one, request])
+  assert after.token_ids == alone.token_ids
+  assert after.metrics == alone.metrics
+  assert 0 < alone.metrics["acceptance_rate"] < 1  # the draft cache mattered
+
+
+class CompileCounter:
+  """Backend compiles, from jax.monitoring events."""
+
+  def __init__(self):
+    self.compiles = 0
+
+  def on_event(self, event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.compiles += 1
+
+
+def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
+  """An insert compiles only for a new prompt bucket, a generate for a new window."""
+  counter, calls = CompileCounter(), []
+
+  def counted(fn, name, shape_of):
+    def call(*args, **kwargs):
+      before = counter.compiles
+      out = fn(*args, **kwargs)
+      calls.append(((name, shape_of(args, kwargs)), counter.compiles - before))
+      return out
+    return call
+
+  monkeypatch.setattr(slots, "insert", counted(
+      slots.insert, "insert", lambda args, kwargs: args[3].shape[1]))
+  monkeypatch.setattr(slots, "generate", counted(
+      slots.generate, "generate", lambda args, kwargs: kwargs["window"]))
+  rng = np.random.default_rng(3)
+  stream = prompts_of_lengths(rng.integers(1, 100, 24), seed=3)
+  engine = Engine(model, draft_lib.derive(model, [0]), k=2, max_new_tokens=8,
+                  num_slots=3, steps_per_call=3, cache_size=256)
+  jax.monitoring.register_event_duration_secs_listener(counter.on_event)
+  try:
+    results = engine.generate_ids(stream)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(counter.on_event)
+  assert all(1 <= len(r.token_ids) <= 8 for r in results)
+  seen = set()
+  for key, compiles in calls:
+    assert compiles <= (key not in seen), (key, compiles)
+    seen.add(key)
+  assert {w for (name, w) in seen if name == "insert"} == {64, 128}
+  assert len({w for (name, w) in seen if name == "generate"}) >= 2
 
 
 def test_chat_needs_a_template(model):

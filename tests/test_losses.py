@@ -239,3 +239,17 @@ def test_on_support_renormalises():
   np.testing.assert_allclose(restricted, expected, rtol=1e-6)
   np.testing.assert_allclose(restricted.sum(-1), 1.0, atol=1e-6)
   np.testing.assert_array_equal(teacher.on_support(jnp.asarray(p), None), p)
+
+
+@pytest.mark.parametrize("k", [1, 4, V])
+def test_dense_on_a_support_equals_restricting_the_dense_teacher(k):
+  """Built on the draft head's tokens directly, without the full-vocabulary array."""
+  p = dirichlet(23)
+  ids, probs = teacher.top_k(jnp.asarray(p), k)
+  support = (0, 3, 5, 7, 15)
+  direct = np.asarray(teacher.dense(ids, probs, V, support))
+  assert direct.shape == p.shape[:-1] + (len(support),)
+  via_full = np.asarray(teacher.on_support(teacher.dense(ids, probs, V), support))
+  np.testing.assert_allclose(direct, via_full, rtol=1e-5, atol=1e-7)
+  # Already on the support: on_support leaves it alone.
+  np.testing.assert_array_equal(teacher.on_support(jnp.asarray(direct), support), direct)

@@ -12,7 +12,7 @@ from osd_jax.models import config as configs
 from osd_jax.models import llama
 from tests.tiny_models import random_params
 
-apply = jax.jit(llama.apply, static_argnames="config")
+apply = jax.jit(llama.apply, static_argnames=("config", "window"))
 prefill_jit = jax.jit(prefill, static_argnames="config")
 
 # Compiles dominate on CPU: the tests share these configs and a few shapes.
@@ -80,6 +80,59 @@ def test_unstacked_layers_equal_scanned_layers():
   assert_close(chunked_logits(unrolled, config, tokens, [4, 4, 1, 3])[0], full)
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decoding_layout_equals_stacked_params(name):
+  """for_decoding's unstacked layers and explicit (tied or cut) head: same logits."""
+  config = CONFIGS[name]
+  params = random_params(config, seed=4)
+  decoding = llama.for_decoding(params, config)
+  assert isinstance(decoding["layers"], list) and "lm_head" in decoding
+  tokens = random_tokens((2, 12), config.vocab_size, seed=4)
+  full = full_logits(params, config, tokens)
+  assert_close(full_logits(decoding, config, tokens), full)
+  assert_close(chunked_logits(decoding, config, tokens, [5, 1, 6])[0], full)
+
+
+def test_window_narrower_than_the_cache_changes_nothing():
+  """Attention reading only the first `window` positions sees every valid key."""
+  config = CONFIGS["gqa"]
+  params = random_params(config, seed=5)
+  tokens = random_tokens((2, 12), config.vocab_size, seed=5)
+  _, cache = apply(params, config, tokens[:, :8], config.init_cache(2, CACHE_SIZE))
+  full_cache, _ = apply(params, config, tokens[:, 8:], cache)
+  windowed, cache = apply(params, config, tokens[:, 8:], cache, window=12)
+  assert_close(np.asarray(windowed), np.asarray(full_cache))
+  assert_close(np.asarray(windowed), full_logits(params, config, tokens)[:, 8:])
+  np.testing.assert_array_equal(cache.lengths, [12, 12])
+
+
+def test_insert_row_replaces_one_row_only():
+  """A one-row cache (a shorter prompt bucket) lands in its row; others untouched."""
+  config = CONFIGS["gqa"]
+  params = random_params(config, seed=6)
+  heads = config.num_kv_heads
+  _, big = chunked_logits(params, config, random_tokens((2, 12), 64, seed=6),
+                          [4, 4, 4])
+  prompt = random_tokens((1, 5), 64, seed=7)
+  _, one = apply(params, config, prompt, config.init_cache(1, 16))
+  for row in range(2):
+    merged = big.insert_row(jnp.int32(row), one)
+    np.testing.assert_array_equal(merged.lengths, np.where(np.arange(2) == row, 5, 12))
+    mine = slice(row * heads, (row + 1) * heads)
+    other = slice((1 - row) * heads, (2 - row) * heads)
+    for got, old, new in zip(merged.k + merged.v, big.k + big.v, one.k + one.v):
+      got, old = np.asarray(got), np.asarray(old)
+      np.testing.assert_array_equal(got[other], old[other])
+      np.testing.assert_array_equal(got[mine, :16], new)
+      np.testing.assert_array_equal(got[mine, 16:], old[mine, 16:])  # stale, unread
+    # Decoding on from the inserted row is decoding on from its own prompt.
+    nxt = random_tokens((2, 1), 64, seed=8)
+    logits, _ = apply(params, config, nxt, merged)
+    sequence = jnp.concatenate([prompt[0], nxt[row]])[None]
+    assert_close(np.asarray(logits[row, 0]),
+                 full_logits(params, config, sequence)[0, -1])
+
+
 def test_logits_are_causal():
   """Changing tokens after position t leaves the logits up to t unchanged."""
   config = CONFIGS["gqa"]
@@ -145,10 +198,20 @@ def test_rollback_then_reappend_equals_fresh():
   cache = cache.with_lengths(jnp.asarray(5 + keep))
   logits, cache = apply(params, config, fresh_tail, cache)
   np.testing.assert_array_equal(cache.lengths, 5 + keep + 2)
-  for row in range(2):
-    sequence = jnp.concatenate(
-        [prefix[row], rejected[row, :keep[row]], fresh_tail[row]])[None]
-    assert_close(np.asarray(logits[row]), full_logits(params, config, sequence)[0, -2:])
+  sequences = [np.concatenate([prefix[row], rejected[row, :keep[row]],
+                               fresh_tail[row]]) for row in range(2)]
+  for row, sequence in enumerate(sequences):
+    assert_close(np.asarray(logits[row]),
+                 full_logits(params, config, jnp.asarray(sequence)[None])[0, -2:])
+  # Every layer's valid positions hold exactly what a fresh prefill writes.
+  padded, lens = pad_right(sequences, config.pad_id)
+  _, fresh = prefill_jit(params, config, padded, lens,
+                         config.init_cache(2, CACHE_SIZE))
+  heads = config.num_kv_heads
+  for got, want in zip(cache.k + cache.v, fresh.k + fresh.v):
+    for row, n in enumerate(np.asarray(lens)):
+      rows = slice(row * heads, (row + 1) * heads)
+      assert_close(np.asarray(got[rows, :n]), np.asarray(want[rows, :n]))
 
 
 def test_restricted_head_masks_other_tokens():

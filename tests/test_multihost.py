@@ -3,11 +3,13 @@
 The test starts tests/multihost_worker.py as separate OS processes: two with
 4 fake CPU devices each, joined through a loopback coordinator (gloo CPU
 collectives, flags of experiments/multihost_flags.py), and one alone with 8
-devices. All serve the same short online stream (global batch 8, three draft
-updates). The two-process run also checkpoints with orbax after 16 requests
-and resumes from that checkpoint in a fresh run_stream. The final draft
-params and per-request records must match the single, uninterrupted run, and
-only process 0 may write results.
+devices. All serve the same short online stream with continuous batching
+(8 slots, one per device, a few draft updates, one prompt too long for a
+slot). The two-process run also checkpoints with orbax, is interrupted
+mid-stream and resumes from the last checkpoint, requests in flight
+included, in a fresh run_stream. The final draft params and per-request
+records must match the single, uninterrupted run, and only process 0 may
+write results.
 """
 
 import json
@@ -23,7 +25,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 TIMEOUT_S = 240  # for all processes together; a normal run takes well under 2 min
-VOLATILE = ("batch_seconds", "batch")  # timing; batch numbers restart on resume
+TIMING = ("queue_s", "ttft_s", "itl_s", "finished_s")  # the workers drop these
 
 
 def _free_port() -> int:
@@ -82,13 +84,9 @@ def _digest(output: str) -> str:
   return found[0]
 
 
-def _strip(records):
-  return [{k: v for k, v in r.items() if k not in VOLATILE} for r in records]
-
-
 def _assert_records_match(got, want):
   assert len(got) == len(want)
-  for g, w in zip(_strip(got), _strip(want)):
+  for g, w in zip(got, want):
     assert g.keys() == w.keys()
     for key in w:
       if isinstance(w[key], float):
@@ -117,10 +115,12 @@ def test_two_processes_match_one(tmp_path):
   assert "] process 0/1: 8 local of 8 devices" in outputs["single"]
   assert "mesh rows by process: 01010101" in outputs["p0"]
 
-  # Both hosts computed the same draft and records; three updates, none skipped.
+  # Both hosts computed the same draft and records; some updates, none skipped.
   assert _digest(outputs["p0"]) == _digest(outputs["p1"])
-  assert "updates=3 skipped=0" in _digest(outputs["single"])
-  assert "Resumed at request 16 (16 served)." in outputs["p0"]
+  updates = int(re.search(r"updates=(\d+) skipped=0$", _digest(outputs["single"]))[1])
+  resumed = re.search(r"Resumed at request \d+ \((\d+) served, (\d+) in flight\)\.",
+                      outputs["p0"])
+  assert resumed and 0 < int(resumed[1]) < 23 and int(resumed[2]) > 0, outputs["p0"]
 
   # Only process 0 wrote results; the checkpoint directory is shared.
   assert sorted(os.listdir(dirs["p1"])) == []
@@ -128,7 +128,7 @@ def test_two_processes_match_one(tmp_path):
   steps = sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())
   assert steps and steps[-1] == 23, steps  # 24 requests, one prompt too long
 
-  # The two-process, checkpointed-and-resumed run equals one uninterrupted process.
+  # The two-process, interrupted-and-resumed run equals one uninterrupted process.
   got, want = (np.load(dirs[n] / "params.npz") for n in ("p0", "single"))
   assert sorted(got.files) == sorted(want.files)
   for name in want.files:
@@ -137,9 +137,9 @@ def test_two_processes_match_one(tmp_path):
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6,
                                err_msg=name)
   records = {n: json.load(open(dirs[n] / "records.json")) for n in ("p0", "single")}
-  assert sum(r.get("skipped", False) for r in records["single"]) == 1
-  assert sum(r.get("loss") is not None for r in records["single"]) == 3
+  assert [r["request"] for r in records["single"] if "error" in r] == [20]
+  assert sum("loss" in r for r in records["single"]) == updates >= 2
   _assert_records_match(records["p0"], records["single"])
   # The Reporter's JSONL holds the same records as the worker's list.
   jsonl = [json.loads(line) for line in open(dirs["p0"] / "online.jsonl")]
-  assert _strip(jsonl) == _strip(records["p0"])
+  assert jsonl == records["p0"]

@@ -53,8 +53,7 @@ def continuations(data):
 
 
 def greedy(model, prompts):
-  tokens, lengths, _ = Engine(model, max_new_tokens=MAX_NEW).generate_ids(prompts)
-  return [row[:n].tolist() for row, n in zip(tokens, lengths)]
+  return [r.token_ids for r in Engine(model, max_new_tokens=MAX_NEW).generate_ids(prompts)]
 
 
 @pytest.fixture(scope="module")

@@ -1,38 +1,41 @@
-"""Orbax checkpoints through the driver: resume equals an uninterrupted run; bad ones fail.
+"""Orbax checkpoints through the driver: resume mid-stream, requests in flight,
+equals an uninterrupted run; refused, mismatched and corrupt checkpoints fail clearly.
 
-The driver builds its step with online.make_step; here that is memoised so
-all runs share one compiled step (the one test_online_drafts also uses).
+Every run shares one compiled step (online.make_step is memoised), the one
+test_online_drafts uses too.
 """
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import os
+import re
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
 from osd_jax.checkpoints.layout import CheckpointError
 from osd_jax.serving import driver, online
 from osd_jax.serving.checkpoint import Checkpointer
-from tests.test_online import (PROMPT_LEN, VOCAB, cached_make_step, host,
-                               tiny_pair, tree_equal)
-from tests.test_online_drafts import BATCH, DEVICES, DRAFTS
+from tests.test_online import TIMING, VOCAB, host, tiny_pair, tree_equal
+from tests.test_online_drafts import CATEGORIES, DEVICES, DRAFTS, SLOTS
 
-CATEGORIES = ("a", "b")
-EVERY = 4  # requests between checkpoints: after every full batch
-INTERRUPT_AFTER = 11  # records, mid-stream
+EVERY = 4  # served requests between checkpoints
+INTERRUPT_AFTER = 13  # records, mid-stream
+TOO_LONG = 5  # this request's prompt cannot fit a slot
 # orbax's asyncio helpers complain at garbage collection once closed.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
 
 
-def make_queries(num, seed=0, too_long_at=5):
+def make_queries(num, seed=0):
   rng = np.random.default_rng(seed)
   queries = []
   for i in range(num):
-    n = PROMPT_LEN + 1 if i == too_long_at else int(rng.integers(2, PROMPT_LEN + 1))
+    # DRAFTS fits prompts of up to 32 - 8 - 2 = 22 tokens.
+    n = 23 if i == TOO_LONG else int(rng.integers(2, 13))
     words = " ".join(f"<{t}>" for t in rng.integers(3, VOCAB, n))
     queries.append(driver.Query(words, category=CATEGORIES[rng.integers(2)],
                                 domain=f"d{i % 3}"))
@@ -44,38 +47,54 @@ QUERIES = make_queries(22)
 
 def run_config(cfg=DRAFTS):
   return {"online": dataclasses.asdict(cfg), "num_requests": len(QUERIES),
-          "batch_size": BATCH, "devices": DEVICES, "seed": 0}
+          "slots": SLOTS, "devices": DEVICES, "seed": 0}
 
 
 class Interrupt(Exception):
   pass
 
 
+class Saves(Checkpointer):
+  """A Checkpointer that notes how many records had been emitted at each save."""
+
+  def __init__(self, *args, records, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.records, self.saved = records, []
+
+  def save(self, step, state, host_state):
+    super().save(step, state, host_state)
+    self.saved.append(len(self.records))
+
+
 def run(directory, *, resume, queries=QUERIES, cfg=DRAFTS, stop_after=None,
-        config=None):
-  """(final state as numpy, records without timings) of one driver run."""
+        config=None) -> dict:
+  """One driver run: final state (numpy; None if interrupted), records without
+  timings, records emitted at each save, and what it printed."""
   target, draft = tiny_pair()
-  mesh = online.make_mesh(DEVICES)
   records = []
 
   def on_request(record):
     if stop_after is not None and len(records) == stop_after:
       raise Interrupt
-    records.append({k: v for k, v in record.items() if k != "batch_seconds"})
+    records.append({k: v for k, v in record.items() if k not in TIMING})
 
-  checkpointer = Checkpointer(directory, config or run_config(cfg), resume=resume)
+  checkpointer = Saves(directory, config or run_config(cfg), resume=resume,
+                       records=records)
+  printed = io.StringIO()
+  state = None
   try:
-    with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(online, "make_step", cached_make_step)
-      state = driver.run_stream(
-          target, draft, queries, cfg, batch_size=BATCH, mesh=mesh, seed=0,
-          chat=False, categories=CATEGORIES, checkpointer=checkpointer,
-          checkpoint_every=EVERY, on_request=on_request)
-    return host(state.replace(rng=jax.random.key_data(state.rng))), records
+    with contextlib.redirect_stdout(printed):
+      state = host(driver.run_stream(
+          target, draft, queries, cfg, num_slots=SLOTS,
+          mesh=online.make_mesh(DEVICES), seed=0, chat=False,
+          categories=CATEGORIES, checkpointer=checkpointer,
+          checkpoint_every=EVERY, on_request=on_request))
   except Interrupt:
-    return None, records
+    pass
   finally:
     checkpointer.close()
+  return dict(state=state, records=records, saved=checkpointer.saved,
+              printed=printed.getvalue())
 
 
 def snapshot(directory):
@@ -92,51 +111,53 @@ def snapshot(directory):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   directory = str(tmp_path_factory.mktemp("ckpt") / "run")
-  state, records = run(directory, resume=False)
-  return dict(directory=directory, state=state, records=records)
+  return dict(run(directory, resume=False), directory=directory)
 
 
-def test_stream_is_served_and_routed(uninterrupted):
+def test_every_request_is_served_or_refused_and_routed(uninterrupted):
+  """The prompt too long for a slot gets its error record; the stream goes on."""
   records = uninterrupted["records"]
-  skipped = [r for r in records if r.get("skipped")]
-  served = [r for r in records if not r.get("skipped")]
-  assert [r["request"] for r in skipped] == [5]
+  errors = [r for r in records if "error" in r]
+  served = [r for r in records if "error" not in r]
+  assert [r["request"] for r in errors] == [TOO_LONG]
+  assert "does not fit" in errors[0]["error"] and errors[0]["prompt_tokens"] == 23
+  assert errors[0]["category"] == QUERIES[TOO_LONG].category
   assert sorted(r["request"] for r in served) == [
-      i for i in range(len(QUERIES)) if i != 5]
+      i for i in range(len(QUERIES)) if i != TOO_LONG]
   assert [r["served"] for r in served] == list(range(1, len(served) + 1))
   for r in served:
     assert r["draft"] == CATEGORIES.index(QUERIES[r["request"]].category)
     assert r["category"] == CATEGORIES[r["draft"]]
-  assert sum(r["loss"] is not None for r in served) >= 2  # updates ran
+    assert r["new_tokens"] >= 1
+  assert sum("loss" in r for r in served) >= 2  # updates ran
   assert np.all(uninterrupted["state"].num_updates >= 1)
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-  """The same stream, interrupted mid-way by an exception, then resumed."""
+  """The same stream, interrupted by an exception mid-way, then resumed."""
   directory = str(tmp_path_factory.mktemp("ckpt") / "run")
-  state, first = run(directory, resume=False, stop_after=INTERRUPT_AFTER)
-  assert state is None and len(first) == INTERRUPT_AFTER
-  state, after = run(directory, resume=True)
-  return dict(first=first, after=after, state=state)
+  first = run(directory, resume=False, stop_after=INTERRUPT_AFTER)
+  assert first["state"] is None and len(first["records"]) == INTERRUPT_AFTER
+  return dict(first=first, after=run(directory, resume=True))
 
 
-def without_batch(records):
-  return [{k: v for k, v in r.items() if k != "batch"} for r in records]
-
-
-def test_resume_equals_uninterrupted_run(uninterrupted, resumed):
-  full, after = uninterrupted["records"], resumed["after"]
-  assert resumed["first"] == full[:INTERRUPT_AFTER]
-  # It resumed from a checkpoint mid-stream, not from the start or the end.
-  assert 0 < len(full) - len(after) <= INTERRUPT_AFTER
-  assert without_batch(after) == without_batch(full[len(full) - len(after):])
-  assert tree_equal(resumed["state"], uninterrupted["state"])
-
-
-def test_resumed_records_keep_their_batch_numbers(uninterrupted, resumed):
-  full, after = uninterrupted["records"], resumed["after"]
-  assert after == full[len(full) - len(after):]
+def test_resume_with_requests_in_flight_equals_uninterrupted_run(uninterrupted,
+                                                                 resumed):
+  full, first, after = (uninterrupted["records"], resumed["first"]["records"],
+                        resumed["after"]["records"])
+  assert first == full[:INTERRUPT_AFTER]
+  # It resumed from the last checkpoint before the interruption, mid-stream,
+  # while slots still held requests.
+  at = resumed["first"]["saved"][-1]
+  assert 0 < at < INTERRUPT_AFTER
+  found = re.search(r"Resumed at request (\d+) \((\d+) served, (\d+) in flight\)",
+                    resumed["after"]["printed"])
+  assert found, resumed["after"]["printed"]
+  assert int(found[3]) > 0
+  # Served, call numbers, losses: every record after the checkpoint is the same.
+  assert after == full[at:]
+  assert tree_equal(resumed["after"]["state"], uninterrupted["state"])
 
 
 def test_existing_checkpoints_without_resume_raise_and_are_kept(uninterrupted):
@@ -160,7 +181,7 @@ def test_resume_with_other_shapes_raises(uninterrupted, tmp_path):
   """Same recorded settings, but a state of other shapes: a clear error."""
   directory = str(tmp_path / "copy")
   shutil.copytree(uninterrupted["directory"], directory)
-  bigger = dataclasses.replace(DRAFTS, buffer_capacity=2 * BATCH)
+  bigger = dataclasses.replace(DRAFTS, buffer_capacity=2 * DRAFTS.buffer_capacity)
   with pytest.raises(CheckpointError, match="does not match"):
     run(directory, resume=True, cfg=bigger, config=run_config())
 
@@ -198,14 +219,14 @@ def test_garbled_run_config_raises(uninterrupted, tmp_path):
 
 
 def test_stream_ending_on_a_checkpoint(tmp_path):
-  """The last batch saves at the same step as the save at exit: one save, no error."""
+  """The last call saves at the same step as the save at exit: one save, no error."""
   queries = [driver.Query("<5> <6> <7>", category=c) for c in "aaaabbbb"]
   directory = str(tmp_path / "run")
-  state, records = run(directory, resume=False, queries=queries,
-                       config={"short": True})
-  assert state is not None and len(records) == 8
+  done = run(directory, resume=False, queries=queries, config={"short": True})
+  assert done["state"] is not None and len(done["records"]) == 8
   assert sorted(int(n) for n in os.listdir(directory) if n.isdigit())[-1] == 8
+  assert len(done["saved"]) == len(set(done["saved"]))
   # Resuming the finished run serves nothing more and saves nothing new.
-  again, more = run(directory, resume=True, queries=queries,
-                    config={"short": True})
-  assert more == [] and tree_equal(again, state)
+  again = run(directory, resume=True, queries=queries, config={"short": True})
+  assert again["records"] == [] and again["saved"] == []
+  assert tree_equal(again["state"], done["state"])

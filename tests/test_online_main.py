@@ -1,6 +1,7 @@
 """The main job end to end on the real model, tiny sizes (marked real_model).
 
-Runs `python -m experiments.online` as a user would and checks what it writes.
+Runs `python -m experiments.online` as a user would (three passes over one
+stream: target-only, static draft, online) and checks what it writes.
 """
 
 import json
@@ -8,35 +9,62 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = ("target", "static", "online")
+NUM_REQUESTS = 8
 
 
 @pytest.mark.real_model
-def test_main_job_writes_curves_summary_and_checkpoints(tmp_path):
+def test_main_job_writes_passes_summary_plots_and_checkpoints(tmp_path):
   out = tmp_path / "online"
   cmd = [sys.executable, "-m", "experiments.online", "--stream=single",
-         "--domains=math", "--num_requests=8", "--batch_size=4",
-         "--max_new_tokens=4", "--prompt_len=128", "--update_interval=4",
-         "--buffer_capacity=4", "--checkpoint_every=4", "--window=4",
-         "--progress_every=4",
-         f"--output_dir={out}"]
+         "--domains=math", f"--num_requests={NUM_REQUESTS}", "--slots=4",
+         "--max_new_tokens=4", "--cache_size=128", "--steps_per_call=4",
+         "--update_interval=4", "--buffer_capacity=4", "--checkpoint_every=4",
+         "--window=4", f"--output_dir={out}"]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=900)
+                        timeout=1500)
   assert done.returncode == 0, done.stderr[-3000:]
-  for name in ("alpha.png", "summary.json", "online.jsonl", "static.jsonl",
-               "static.done", "checkpoints"):
+  for name in ("alpha.png", "speed.png", "summary.json", "checkpoints",
+               *(f"{run}.jsonl" for run in RUNS), *(f"{run}.done" for run in RUNS)):
     assert (out / name).exists(), name
+  assert any(n.isdigit() for n in os.listdir(out / "checkpoints"))
+
+  # Every request of every pass is served or refused, once.
+  records = {run: [json.loads(line) for line in
+                   (out / f"{run}.jsonl").read_text().splitlines()] for run in RUNS}
+  for run, rows in records.items():
+    assert sorted(r["request"] for r in rows) == list(range(NUM_REQUESTS)), run
+    served = [r for r in rows if "error" not in r]
+    assert served, run
+    for r in served:
+      assert 0.0 <= r["alpha"] <= 1.0 and 1 <= r["new_tokens"] <= 4
+      assert min(r["queue_s"], r["ttft_s"], r["itl_s"]) >= 0.0
+  assert all(r["tokens_per_target_call"] == 1.0 for r in records["target"]
+             if "error" not in r)
+  # The same requests are refused by every pass (too long for a slot).
+  refused = {run: {r["request"] for r in rows if "error" in r}
+             for run, rows in records.items()}
+  assert refused["target"] == refused["static"] == refused["online"]
+
   summary = {s["run"]: s for s in json.loads((out / "summary.json").read_text())}
+  assert set(summary) == set(RUNS)
   assert summary["static"]["updates"] == 0
-  assert summary["online"]["updates"] == summary["online"]["requests"] // 4 > 0
-  records = [json.loads(line) for line in (out / "online.jsonl").read_text().splitlines()]
-  served = [r for r in records if not r.get("skipped")]
-  assert all(0.0 <= r["alpha"] <= 1.0 for r in served)
-  assert "rolling alpha" in done.stdout
+  served_online = summary["online"]["requests"]
+  assert 1 <= summary["online"]["updates"] <= served_online // 4
+  # Speed-ups over target-only, per segment and over the last window.
+  for run, s in summary.items():
+    speedups = [seg["speedup"] for seg in s["segments"]]
+    speedups += [s["last"]["speedup"], s["speedup"]]
+    assert all(np.isfinite(x) and x > 0 for x in speedups), (run, speedups)
+    if run == "target":
+      np.testing.assert_allclose(speedups, 1.0)
+  assert "speed-up" in done.stdout and "speed.png" in done.stdout
 
   # A second start without --resume must refuse to overwrite the checkpoints.
   again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -1,6 +1,11 @@
-"""The distillation update: what is differentiated, what is skipped, what is selectable."""
+"""The distillation update: what is differentiated, what is skipped, what is selectable.
+
+Mostly update.py and objectives.py on hand-made buffers; one served buffer
+comes from the slot engine's own step and records.
+"""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,22 +13,34 @@ import numpy as np
 import optax
 import pytest
 
+from osd_jax.decoding import slots as slot_lib
+from osd_jax.decoding import speculative
+from osd_jax.decoding.drafts import ModelDraft
 from osd_jax.decoding.sampling import GREEDY, Sampling
-from osd_jax.distillation import losses, teacher, update
+from osd_jax.distillation import losses, objectives, teacher, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.distillation.update import DistillConfig
 from osd_jax.models import llama
 from osd_jax.serving import online
-from osd_jax.serving.serve import serve_batch
+from osd_jax.serving.records import Records, samples as record_samples
 from tests.test_online import (VOCAB, host, max_abs_diff, tiny_pair,
                                tree_equal)
 
 N, MAX_LEN, GEN_LEN = 4, 14, 6
 CFG = DistillConfig(learning_rate=1e-2)
-distill = jax.jit(online._distill,  # pylint: disable=protected-access
-                  static_argnums=(4, 5, 6, 7))
+STATICS = ("drafter", "target_config", "cfg", "steps", "axis_name")
+distill = jax.jit(objectives.distill, static_argnames=STATICS)
+unbucketed = jax.jit(objectives._distill,  # pylint: disable=protected-access
+                     static_argnames=STATICS)
 loss_fn = jax.jit(update.loss_fn, static_argnums=(1, 4))
 apply = jax.jit(llama.apply, static_argnames="config")
+
+
+def learn(params, opt_state, buffer, cfg=CFG, steps=1):
+  """objectives.distill for the tiny draft: (params, opt_state, loss, skipped)."""
+  target, draft = tiny_pair()
+  return distill(draft.drafter, target.params, target.config, params, opt_state,
+                 buffer, cfg, steps=steps)
 
 
 def target_probs(tokens, gen_start):
@@ -35,11 +52,11 @@ def target_probs(tokens, gen_start):
   return np.asarray(jnp.take_along_axis(probs, positions[..., None], axis=1))
 
 
-def make_buffer(teacher_k, seed=0):
+def make_buffer(teacher_k, seed=0, max_len=MAX_LEN, gen_start=(3, 5, 7, 2)):
   """N valid samples with random tokens, some weights zero, teacher from the target."""
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(3, VOCAB, (N, MAX_LEN)).astype(np.int32)
-  gen_start = np.array([3, 5, 7, 2], np.int32)
+  tokens = rng.integers(3, VOCAB, (N, max_len)).astype(np.int32)
+  gen_start = np.array(gen_start, np.int32)
   weight = (rng.random((N, GEN_LEN)) < 0.6).astype(np.float32)
   weight[:, 0] = 1.0
   p = target_probs(tokens, gen_start)
@@ -47,14 +64,9 @@ def make_buffer(teacher_k, seed=0):
     ids, probs = teacher.top_k(jnp.asarray(p), teacher_k)
   else:
     ids = probs = np.zeros((N, GEN_LEN, 0), np.float32)
-  buffer = Buffer.empty(N, MAX_LEN, GEN_LEN, teacher_k)
+  buffer = Buffer.empty(N, max_len, GEN_LEN, teacher_k)
   return buffer.add(tokens, gen_start, weight, ids, probs,
                     np.zeros(N, np.int32), jnp.ones(N, bool)), p
-
-
-def cfg_for(teacher_k, distill_cfg=CFG):
-  return online.OnlineConfig(k=2, max_new_tokens=GEN_LEN, prompt_len=MAX_LEN - GEN_LEN,
-                             teacher_k=teacher_k, distill=distill_cfg)
 
 
 def start(distill_cfg=CFG):
@@ -77,10 +89,11 @@ def test_kept_teacher_equals_recomputed_teacher():
 def test_loss_is_weighted_mean_at_predicting_positions():
   """loss_fn == sum(w * FKL(p, q at gen_start + g)) / sum(w), valid samples only."""
   _, draft = tiny_pair()
+  config = draft.drafter.config
   buffer, p = make_buffer(VOCAB)
   buffer = buffer.replace(is_valid=jnp.asarray([True, True, False, True]))
-  loss, total = loss_fn(draft.params, draft.config, buffer, jnp.asarray(p), CFG)
-  logits, _ = apply(draft.params, draft.config, buffer.tokens)
+  loss, total = loss_fn(draft.params, config, buffer, jnp.asarray(p), CFG)
+  logits, _ = apply(draft.params, config, buffer.tokens)
   positions = np.asarray(buffer.gen_start)[:, None] + np.arange(GEN_LEN)
   q = np.take_along_axis(np.asarray(jax.nn.softmax(logits, -1)),
                          positions[..., None], axis=1)
@@ -90,29 +103,29 @@ def test_loss_is_weighted_mean_at_predicting_positions():
   np.testing.assert_allclose(loss, (per * w).sum() / w.sum(), rtol=1e-4)
 
 
-def identical_draft_loss(sampling):
-  """Loss of a draft equal to the target, on what serving with `sampling` kept."""
+@functools.partial(jax.jit, static_argnames="sampling")
+def served_buffer(params, prompts_NxP, lens_N, rng, sampling):
+  """What the slot engine buffers when the target drafts for itself."""
   target, _ = tiny_pair()
-  cfg = dataclasses.replace(cfg_for(VOCAB), sampling=sampling,
-                            loss_weighting="all")
-  rng = np.random.default_rng(1)
-  prompts = jnp.asarray(rng.integers(3, VOCAB, (N, cfg.prompt_len)), jnp.int32)
-  lens = jnp.full((N,), cfg.prompt_len - 2, jnp.int32)
-  served = jax.jit(serve_batch, static_argnames=(
-      "target_config", "draft_config", "k", "sampling", "max_new_tokens",
-      "teacher_k"))(target.params, target.params, prompts, lens,
-                    jax.random.key(0), target_config=target.config,
-                    draft_config=target.config, k=cfg.k, sampling=sampling,
-                    max_new_tokens=cfg.max_new_tokens, teacher_k=cfg.teacher_k)
-  rows = online._training_rows(  # pylint: disable=protected-access
-      target.params, target.params, prompts, lens, served, jax.random.key(1),
-      target.config, target.config, cfg)
-  buffer = Buffer.empty(N, cfg.max_len, cfg.max_new_tokens, cfg.teacher_k).add(
-      rows[0], lens - 1, *rows[1:], jnp.zeros(N, jnp.int32), jnp.ones(N, bool))
-  p = update.teacher_probs(target.params, target.config, buffer)
-  loss, total = loss_fn(target.params, target.config, buffer, p, CFG)
-  assert float(total) > 0
-  return float(loss)
+  config, drafter = target.config, ModelDraft(target.config)
+  params = llama.for_decoding(params, config)
+  state, _ = speculative.start(
+      params, params, prompts_NxP, lens_N, jnp.full((N,), GEN_LEN),
+      speculative.row_keys(rng, N), target_config=config, drafter=drafter, k=2,
+      cache_size=MAX_LEN)
+
+  def step(state, records):
+    state, result = speculative.speculate_and_verify(
+        params, params, state, target_config=config, drafter=drafter, k=2,
+        sampling=sampling)
+    return state, records.record(result, corrected_only=False)
+
+  state, records = slot_lib.decode_loop(
+      step, state, Records.empty(N, MAX_LEN, VOCAB, 0), GEN_LEN)
+  rows = record_samples(records, state, max_len=MAX_LEN, gen_len=GEN_LEN,
+                        corrected_only=False)
+  return Buffer.empty(N, MAX_LEN, GEN_LEN, VOCAB).add(
+      *rows[:5], jnp.zeros(N, jnp.int32), jnp.ones(N, bool))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0),
@@ -120,67 +133,107 @@ def identical_draft_loss(sampling):
                                       Sampling(temperature=0.5),
                                       Sampling(temperature=1.0, top_k=4)])
 def test_draft_equal_to_target_has_zero_loss(sampling):
-  """The teacher is the plain softmax whatever the serving sampler."""
-  assert abs(identical_draft_loss(sampling)) < 1e-5
+  """The kept teacher is the plain softmax whatever the serving sampler."""
+  target, _ = tiny_pair()
+  rng = np.random.default_rng(1)
+  prompts = jnp.asarray(rng.integers(3, VOCAB, (N, 6)), jnp.int32)
+  buffer = served_buffer(target.params, prompts, jnp.full((N,), 5, jnp.int32),
+                         jax.random.key(0), sampling)
+  p = update.teacher_probs(target.params, target.config, buffer)
+  loss, total = loss_fn(target.params, target.config, buffer, p, CFG)
+  assert float(total) > 0
+  assert abs(float(loss)) < 1e-5
 
 
 def test_only_the_draft_is_differentiated():
   target, draft = tiny_pair()
   buffer, p = make_buffer(0)
   grad_p = jax.jit(jax.grad(lambda p: update.loss_fn(
-      draft.params, draft.config, buffer, p, CFG)[0]))(jnp.asarray(p))
+      draft.params, draft.drafter.config, buffer, p, CFG)[0]))(jnp.asarray(p))
   np.testing.assert_array_equal(grad_p, 0.0)  # the teacher is a constant
-  # The recompute path: several steps, the target stays bitwise the same.
+  # The recompute path: several updates, the target stays bitwise the same.
   before = host(target.params)
   params, opt_state = start()
-  cfg = cfg_for(0)
   for _ in range(3):
-    params, opt_state, loss, applied = distill(
-        target.params, params, opt_state, buffer, target.config, draft.config,
-        cfg, None)
-    assert bool(applied) and np.isfinite(float(loss))
+    params, opt_state, loss, skipped = learn(params, opt_state, buffer)
+    assert int(skipped) == 0 and np.isfinite(float(loss))
   assert tree_equal(before, host(target.params))
   assert max_abs_diff(params, draft.params) > 1e-3
 
 
 def test_updates_lower_the_loss():
-  target, draft = tiny_pair()
+  _, draft = tiny_pair()
   buffer, p = make_buffer(VOCAB)
   params, opt_state = start()
-  first, _ = loss_fn(params, draft.config, buffer, jnp.asarray(p), CFG)
+  first, _ = loss_fn(params, draft.drafter.config, buffer, jnp.asarray(p), CFG)
   for _ in range(5):
-    params, opt_state, _, _ = distill(target.params, params, opt_state, buffer,
-                                      target.config, draft.config,
-                                      cfg_for(VOCAB), None)
-  last, _ = loss_fn(params, draft.config, buffer, jnp.asarray(p), CFG)
+    params, opt_state, _, _ = learn(params, opt_state, buffer)
+  last, _ = loss_fn(params, draft.drafter.config, buffer, jnp.asarray(p), CFG)
   assert float(last) < 0.8 * float(first)
 
 
-def test_nan_teacher_skips_the_update():
+def test_several_update_steps_equal_one_call_per_step():
+  """steps=3 is three optimizer steps on the same buffer and teacher: the
+  same as three calls of one step; the loss reported is the first one's."""
+  buffer, _ = make_buffer(VOCAB)
+  params, opt_state = start()
+  at_once = learn(params, opt_state, buffer, steps=3)
+  one = params, opt_state
+  losses_seen = []
+  for _ in range(3):
+    *one, loss, skipped = learn(*one, buffer)
+    losses_seen.append(float(loss))
+    assert int(skipped) == 0
+  assert max_abs_diff(at_once[:2], one) < 1e-6
+  np.testing.assert_allclose(float(at_once[2]), losses_seen[0], rtol=1e-6)
+  assert int(at_once[3]) == 0
+  assert losses_seen[2] < losses_seen[0]  # they were steps, not one step thrice
+  single = learn(params, opt_state, buffer)
+  assert max_abs_diff(single[:2], at_once[:2]) > 1e-4
+
+
+@pytest.mark.parametrize("gen_start, bucket", [((3, 10, 20, 30), 64),
+                                               ((3, 10, 20, 57), 64),
+                                               ((3, 50, 80, 90), 128)])
+def test_length_bucketing_equals_scoring_the_full_buffer(gen_start, bucket):
+  """Scoring only up to the bucket of the longest sample changes nothing: the
+  positions cut off come after every weighted one (causal attention)."""
   target, draft = tiny_pair()
+  buffer, _ = make_buffer(0, max_len=200, gen_start=gen_start)  # recomputed teacher
+  buffer = buffer.replace(loss_weight=buffer.loss_weight.at[:, -1].set(1.0))
+  need = int(buffer.needed_length())  # the last sample's last token: 64 at the edge
+  assert bucket // 2 < need <= bucket < 200
+  # SGD: Adam would blow the rounding noise of near-zero gradients up to whole steps.
+  cfg = DistillConfig(optimizer="sgd", learning_rate=0.5)
+  params, opt_state = start(cfg)
+  bucketed = learn(params, opt_state, buffer, cfg, steps=2)
+  full = unbucketed(draft.drafter, target.params, target.config, params, opt_state,
+                    buffer=buffer, cfg=cfg, steps=2, axis_name=None)
+  assert max_abs_diff(bucketed[:2], (params, opt_state)) > 1e-3
+  assert max_abs_diff(bucketed[:2], full[:2]) < 1e-6
+  np.testing.assert_allclose(float(bucketed[2]), float(full[2]), rtol=1e-5)
+  assert int(bucketed[3]) == int(full[3]) == 0
+
+
+def test_nan_teacher_skips_the_update():
   buffer, _ = make_buffer(VOCAB)
   poisoned = buffer.replace(teacher_probs=buffer.teacher_probs.at[1, 0, 0].set(jnp.nan))
   params, opt_state = start()
-  params, opt_state, _, _ = distill(target.params, params, opt_state, buffer,
-                                    target.config, draft.config, cfg_for(VOCAB), None)
+  params, opt_state, _, _ = learn(params, opt_state, buffer)
   before = host((params, opt_state))
-  new_params, new_opt, _, applied = distill(
-      target.params, params, opt_state, poisoned, target.config, draft.config,
-      cfg_for(VOCAB), None)
-  assert not bool(applied)
+  new_params, new_opt, loss, skipped = learn(params, opt_state, poisoned, steps=2)
+  assert int(skipped) == 2 and not np.isfinite(float(loss))
   assert tree_equal(before, host((new_params, new_opt)))
 
 
 def test_nan_in_an_invalid_slot_does_not_block_updates():
-  target, draft = tiny_pair()
   buffer, _ = make_buffer(VOCAB)
   stale = buffer.replace(
       teacher_probs=buffer.teacher_probs.at[1].set(jnp.nan),
       is_valid=buffer.is_valid.at[1].set(False))
   params, opt_state = start()
-  _, _, loss, applied = distill(target.params, params, opt_state, stale,
-                                target.config, draft.config, cfg_for(VOCAB), None)
-  assert np.isfinite(float(loss)) and bool(applied)
+  _, _, loss, skipped = learn(params, opt_state, stale)
+  assert np.isfinite(float(loss)) and int(skipped) == 0
 
 
 def test_non_finite_loss_or_grads_skip_apply_update():
@@ -201,18 +254,15 @@ def test_non_finite_loss_or_grads_skip_apply_update():
 
 def test_nan_divergence_skips_the_update(monkeypatch):
   """A divergence that returns NaN (patched in) leaves params and state alone."""
-  target, draft = tiny_pair()
   buffer, _ = make_buffer(VOCAB)
   monkeypatch.setattr(losses, "divergence",
                       lambda name, beta=0.5: lambda p, lq: jnp.full(p.shape[:-1], jnp.nan))
   # A config no other test compiles, so the patched divergence is traced.
-  cfg = cfg_for(VOCAB, DistillConfig(learning_rate=1e-2, loss="jsd", beta=0.123))
-  params, opt_state = start(cfg.distill)
+  cfg = DistillConfig(learning_rate=1e-2, loss="jsd", beta=0.123)
+  params, opt_state = start(cfg)
   before = host((params, opt_state))
-  new_params, new_opt, loss, applied = distill(
-      target.params, params, opt_state, buffer, target.config, draft.config, cfg,
-      None)
-  assert not bool(applied) and not np.isfinite(float(loss))
+  new_params, new_opt, loss, skipped = learn(params, opt_state, buffer, cfg)
+  assert int(skipped) == 1 and not np.isfinite(float(loss))
   assert tree_equal(before, host((new_params, new_opt)))
 
 
@@ -290,10 +340,11 @@ def test_unknown_optimizer_or_schedule_raises():
     update.make_optimizer(DistillConfig(optimizer="lion"))
   with pytest.raises(ValueError, match="schedule"):
     update.make_optimizer(DistillConfig(schedule="step"))
+  target, draft = tiny_pair()
   with pytest.raises(ValueError, match="optimizer"):
-    online.init_state(tiny_pair()[1].params,
+    online.init_state(draft.params, draft.drafter, target.config,
                       online.OnlineConfig(distill=DistillConfig(optimizer="lion")),
-                      1, 0)
+                      num_devices=1, num_slots=1, seed=0)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])

@@ -3,9 +3,11 @@
 On a 12-token vocabulary we draw N sequences at once and compare the joint
 distribution of the first two generated tokens (EOS first counts as one cell)
 with the target's exact distribution, enumerated from its logits. Rejection
-sampling is exact for any draft, so drafts that differ from the target (one
-cut from it, an independent random model, one whose head covers half the
-vocabulary) must pass, and wrong rules run through the same harness must fail.
+sampling is exact for any draft, so every draft kind must pass: a model cut
+from the target, an independent random model, one whose head covers half the
+vocabulary (q = their softmax), the n-gram draft (q one-hot at the copied
+token, or no proposal at all), the hybrid of the two, and k = 0 (no draft).
+Wrong rules run through the same harness must fail.
 
 Bound on the total variation TV = 1/2 sum_i |f_i - p_i| of the empirical
 frequencies f from N i.i.d. samples of p:
@@ -26,7 +28,8 @@ import pytest
 
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.decoding import speculative
-from osd_jax.decoding import generate as target_only
+from osd_jax.decoding.drafts import (Context, HybridDraft, ModelDraft, NGramDraft,
+                                     NoDraft)
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import llama
 from tests.test_generation import tiny_model
@@ -35,7 +38,10 @@ V = 12
 EOS = 2
 N = 16384
 DELTA = 1e-6
-PROMPT = [5, 9, 4]
+# Its last token occurred before: the n-gram draft copies what followed,
+# [4, 11], and the target's first token is 4 about half the time.
+PROMPT = [10, 11, 4, 11]
+COPIED = 4
 apply = jax.jit(llama.apply, static_argnames="config")
 
 
@@ -92,30 +98,33 @@ def cells(tokens_Nx2, lengths_N):
   return np.where(first_is_eos, V * V, tokens_Nx2[:, 0] * V + tokens_Nx2[:, 1])
 
 
-def sample_speculative(target, draft, k, sampling, seed=0):
-  """N speculative runs of 2 new tokens, traced afresh (see the wrong rules)."""
-  def run(target_params, draft_params, prompts, lens, target_cache, draft_cache, rng):
+def sample(target, drafter, draft_params, k, sampling, seed=0):
+  """N runs of 2 new tokens, traced afresh (see the wrong rules): (cells, metrics)."""
+  def run(target_params, draft_params, prompts, lens, rng):
     return speculative.generate.__wrapped__(
-        target_params, draft_params, prompts, lens, target_cache, draft_cache,
-        rng, target_config=target.config, draft_config=draft.config, k=k,
-        sampling=sampling, max_new_tokens=2)
+        target_params, draft_params, prompts, lens, rng,
+        target_config=target.config, drafter=drafter, k=k, sampling=sampling,
+        max_new_tokens=2, cache_size=len(PROMPT) + 2 + k + 1)
 
   prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (N, 1))
-  size = len(PROMPT) + 2 + k + 1
-  state = jax.jit(run)(target.params, draft.params, prompts,
-                       jnp.full((N,), len(PROMPT), jnp.int32),
-                       target.config.init_cache(N, size),
-                       draft.config.init_cache(N, size), jax.random.key(seed))
-  return cells(np.asarray(state.output.tokens[:, :2]), np.asarray(state.output.lengths))
+  state = jax.jit(run)(target.params, draft_params, prompts,
+                       jnp.full((N,), len(PROMPT), jnp.int32), jax.random.key(seed))
+  p = len(PROMPT)
+  samples = cells(np.asarray(state.tokens[:, p:p + 2]),
+                  np.asarray(state.num_generated))
+  return samples, jax.tree.map(lambda x: float(np.sum(x)), state.metrics)
 
 
-def sample_target_only(target, sampling, seed=0):
-  prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (N, 1))
-  output, _ = target_only.generate(
-      target.params, prompts, jnp.full((N,), len(PROMPT), jnp.int32),
-      target.config.init_cache(N, len(PROMPT) + 2), jax.random.key(seed),
-      config=target.config, sampling=sampling, max_new_tokens=2)
-  return cells(np.asarray(output.tokens[:, :2]), np.asarray(output.lengths))
+def model_draft(draft):
+  return ModelDraft(draft.config), draft.params
+
+
+def ngram_draft():
+  return NGramDraft(V), ()
+
+
+def hybrid_draft(draft):
+  return HybridDraft(ModelDraft(draft.config), NGramDraft(V)), draft.params
 
 
 def tv_bound(p):
@@ -130,6 +139,10 @@ def empirical_tv(samples, p):
   return 0.5 * np.abs(f - p).sum()
 
 
+def tv(p, q):
+  return 0.5 * np.abs(p - q).sum()
+
+
 SETTINGS = [  # (sampling, k)
     (Sampling(temperature=1.0), 2),
     (Sampling(temperature=0.7, top_k=5), 3),
@@ -137,27 +150,39 @@ SETTINGS = [  # (sampling, k)
 ]
 
 
-def test_harness_on_target_only_sampling(target):
+def test_target_only_sampling_matches_target(target):
+  """k = 0: every step is one target call, through the same speculative loop."""
   sampling = SETTINGS[0][0]
   p = exact_distribution(target, sampling)
-  assert empirical_tv(sample_target_only(target, sampling), p) < tv_bound(p)
+  samples, metrics = sample(target, NoDraft(V), (), 0, sampling)
+  assert metrics.proposed == 0
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+def test_harness_rejects_a_wrong_temperature(target):
+  """The same test on target-only samples drawn at another temperature fails."""
+  p = exact_distribution(target, SETTINGS[0][0])
+  samples, _ = sample(target, NoDraft(V), (), 0, Sampling(temperature=1.3))
+  assert empirical_tv(samples, p) > tv_bound(p)
 
 
 @pytest.mark.parametrize("sampling, k", SETTINGS)
 def test_speculative_sampling_matches_target(target, draft, sampling, k):
   p = exact_distribution(target, sampling)
-  q = exact_distribution(draft, sampling)
   # The draft alone is far from the target: matching p is the rule's doing.
-  assert 0.5 * np.abs(p - q).sum() > 3 * tv_bound(p)
-  assert empirical_tv(sample_speculative(target, draft, k, sampling), p) < tv_bound(p)
+  assert tv(p, exact_distribution(draft, sampling)) > 3 * tv_bound(p)
+  samples, metrics = sample(target, *model_draft(draft), k, sampling)
+  assert 0 < metrics.accepted < metrics.proposed
+  assert empirical_tv(samples, p) < tv_bound(p)
 
 
 def test_independent_draft_stays_exact(target):
   far = model(seed=12, num_layers=1, logit_scale=2.0)
   sampling, k = SETTINGS[2]
   p = exact_distribution(target, sampling)
-  assert 0.5 * np.abs(p - exact_distribution(far, sampling)).sum() > 0.5
-  assert empirical_tv(sample_speculative(target, far, k, sampling), p) < tv_bound(p)
+  assert tv(p, exact_distribution(far, sampling)) > 0.5
+  samples, _ = sample(target, *model_draft(far), k, sampling)
+  assert empirical_tv(samples, p) < tv_bound(p)
 
 
 def test_restricted_head_draft_stays_exact(target):
@@ -169,7 +194,38 @@ def test_restricted_head_draft_stays_exact(target):
   is_outside = ~np.isin(np.arange(V), head)
   pairs_VxV = p[:-1].reshape(V, V)
   assert pairs_VxV[is_outside[:, None] | is_outside[None, :]].sum() > 0.2
-  samples = sample_speculative(target, restricted, 2, sampling)
+  samples, _ = sample(target, *model_draft(restricted), 2, sampling)
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+def first_token_probs(target, sampling):
+  logits, _ = apply(target.params, target.config, jnp.asarray([PROMPT]))
+  return np_probs(logits[0, -1], sampling)
+
+
+def test_ngram_draft_stays_exact(target):
+  """q is one-hot at the copied tokens; unmatched steps propose nothing."""
+  sampling, k = SETTINGS[1]
+  p = exact_distribution(target, sampling)
+  p1 = first_token_probs(target, sampling)
+  # The copy is accepted sometimes, and often the next step has no match.
+  assert 0.2 < p1[COPIED] < 0.8 and p1[~np.isin(np.arange(V), PROMPT)].sum() > 0.2
+  ctx = Context(jnp.asarray([PROMPT]), jnp.asarray([len(PROMPT) - 1]),
+                jnp.zeros((1,), jnp.int32))
+  assert NGramDraft(V).lookup(ctx, 2)[0].tolist() == [[COPIED, PROMPT[-1]]]
+  samples, metrics = sample(target, *ngram_draft(), k, sampling)
+  assert 0 < metrics.accepted < metrics.proposed < k * metrics.target_calls
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+def test_hybrid_draft_stays_exact(target, draft):
+  """The copy on matched steps, the model draft's own draws on the others."""
+  sampling, k = SETTINGS[2]
+  p = exact_distribution(target, sampling)
+  p1 = first_token_probs(target, sampling)
+  assert 0.2 < p1[COPIED] < 0.8 and p1[~np.isin(np.arange(V), PROMPT)].sum() > 0.2
+  samples, metrics = sample(target, *hybrid_draft(draft), k, sampling)
+  assert 0 < metrics.accepted < metrics.proposed
   assert empirical_tv(samples, p) < tv_bound(p)
 
 
@@ -179,18 +235,23 @@ def test_restricted_head_draft_stays_exact(target):
 def _rule(is_accepted, residual):
   """An acceptance rule with _accept's signature, from its two formulas."""
 
-  def accept(drafted_BxK, p_BxKp1xV, q_BxKxV, target_logits, rng, sampling):
-    del target_logits, sampling
-    b, k = drafted_BxK.shape
-    accept_rng, residual_rng = jax.random.split(rng)
-    at = lambda x: jnp.take_along_axis(x[:, :k], drafted_BxK[..., None], -1)[..., 0]
-    u = jax.random.uniform(accept_rng, (b, k))
-    n = jnp.cumprod(is_accepted(u, at(p_BxKp1xV), at(q_BxKxV)), axis=1).sum(axis=1)
-    q_padded = jnp.concatenate([q_BxKxV, jnp.zeros_like(q_BxKxV[:, :1])], axis=1)
-    pick = lambda x: jnp.take_along_axis(x, n[:, None, None], axis=1)[:, 0]
-    r = residual(pick(p_BxKp1xV), pick(q_padded))
-    r = jnp.where(r.sum(-1, keepdims=True) > 0, r, pick(p_BxKp1xV))
-    return n, jax.random.categorical(residual_rng, jnp.log(r), axis=-1).astype(jnp.int32)
+  def accept(proposal, target_logits, keys_B, sampling):
+    drafted = proposal.tokens
+    b, k = drafted.shape
+    p, q = sampling.probs(target_logits), sampling.probs(proposal.logits)
+    split = jax.vmap(jax.random.split)(keys_B)
+    at = lambda x: jnp.take_along_axis(x[:, :k], drafted[..., None], -1)[..., 0]
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(split[:, 0])
+    is_real = jnp.arange(k) < proposal.num_proposed[:, None]
+    n = jnp.cumprod(is_accepted(u, at(p), at(q)) & is_real, axis=1).sum(axis=1)
+    q_padded = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)
+    q_row = jnp.where(n < proposal.num_proposed, n, k)
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    q_n = jnp.take_along_axis(q_padded, q_row[:, None, None], axis=1)[:, 0]
+    r = residual(p_n, q_n)
+    r = jnp.where(r.sum(-1, keepdims=True) > 0, r, p_n)
+    draw = jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))
+    return n, draw(split[:, 1], r).astype(jnp.int32), jnp.zeros((b, k))
 
   return accept
 
@@ -203,9 +264,24 @@ WRONG_RULES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(WRONG_RULES))
-def test_wrong_acceptance_rule_fails_the_bound(target, draft, monkeypatch, name):
+def test_the_rule_written_out_passes(target, draft, monkeypatch):
+  """The harness's own rule, written right, passes: the wrong ones fail for
+  their formulas, not for how they are plugged in."""
+  sampling, k = SETTINGS[0]
+  monkeypatch.setattr(speculative, "_accept", _rule(lambda u, p, q: u * q < p,
+                                                    _RESIDUAL))
+  p = exact_distribution(target, sampling)
+  samples, _ = sample(target, *model_draft(draft), k, sampling)
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+@pytest.mark.parametrize("name, kind", [
+    *((name, "model") for name in sorted(WRONG_RULES)),
+    ("resample_from_p", "ngram")])
+def test_wrong_acceptance_rule_fails_the_bound(target, draft, monkeypatch, name,
+                                               kind):
   sampling, k = SETTINGS[0]
   monkeypatch.setattr(speculative, "_accept", WRONG_RULES[name])
   p = exact_distribution(target, sampling)
-  assert empirical_tv(sample_speculative(target, draft, k, sampling), p) > tv_bound(p)
+  drafter = model_draft(draft) if kind == "model" else ngram_draft()
+  assert empirical_tv(sample(target, *drafter, k, sampling)[0], p) > tv_bound(p)

@@ -1,4 +1,7 @@
-"""Speculative decoding: lossless greedy output, rollback, alpha and per-row stops."""
+"""Speculative decoding: lossless greedy output for every draft kind, rollback,
+alpha, per-position metrics, per-row stops, and the n-gram lookup."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,85 +10,23 @@ import pytest
 
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.decoding import speculative
-from osd_jax.decoding.engine import Engine, acceptance_by_position, summarize
+from osd_jax.decoding.drafts import (Context, Draft, HybridDraft, ModelDraft,
+                                     NGramDraft)
+from osd_jax.decoding.engine import Engine, acceptance_by_position
 from osd_jax.decoding.prefill import prefill
-from osd_jax.decoding.sampling import Sampling
+from osd_jax.decoding.sampling import GREEDY, Sampling
 from osd_jax.models import llama
-from tests.test_generation import (MAX_NEW, PROMPTS, REAL_PROMPTS, tiny_model,
-                                   with_eos)
+from osd_jax.models.kv_cache import KVCache
+from tests.test_generation import (MAX_NEW, REAL_PROMPTS, VOCAB,
+                                   prompts_of_lengths, tiny_model, with_eos)
 
 apply = jax.jit(llama.apply, static_argnames="config")
 prefill_jit = jax.jit(prefill, static_argnames="config")
 start = jax.jit(speculative.start, static_argnames=(
-    "target_config", "draft_config", "k", "max_new_tokens"))
+    "target_config", "drafter", "k", "cache_size"))
 step = jax.jit(speculative.speculate_and_verify, static_argnames=(
-    "target_config", "draft_config", "k", "sampling"))
-
-
-def run(target, draft, k, sampling=Sampling(), max_new_tokens=MAX_NEW):
-  """Engine output: (ids per row cut at its length, metrics or None)."""
-  engine = Engine(target, draft, k=k, sampling=sampling,
-                  max_new_tokens=max_new_tokens)
-  tokens, lengths, metrics = engine.generate_ids(PROMPTS)
-  return [row[:n].tolist() for row, n in zip(tokens, lengths)], metrics
-
-
-@pytest.fixture(scope="module")
-def target():
-  """The tiny target, with an EOS it emits so rows stop at different times."""
-  model = tiny_model()
-  greedy, _ = run(model, None, k=0)
-  return with_eos(model, greedy[0][4])
-
-
-@pytest.fixture(scope="module")
-def target_greedy(target):
-  rows, _ = run(target, None, k=0)
-  assert len({len(r) for r in rows}) > 1 and min(len(r) for r in rows) < MAX_NEW
-  return rows
-
-
-def drafts(target):
-  head = tuple(range(0, 64, 2)) + (2, 3)  # misses half the target's vocabulary
-  return {
-      "derived": draft_lib.derive(target, [0, 1, 2]),
-      "independent": with_eos(tiny_model(seed=7, num_layers=2), target.config.eos_id),
-      "restricted": draft_lib.derive(target, [0, 1], head),
-  }
-
-
-@pytest.mark.parametrize("draft_name, k", [
-    ("derived", 1), ("derived", 2), ("derived", 4), ("derived", 5),
-    ("independent", 3), ("restricted", 3)])
-def test_greedy_speculative_equals_greedy_target(target, target_greedy,
-                                                 draft_name, k):
-  rows, metrics = run(target, drafts(target)[draft_name], k)
-  assert rows == target_greedy
-  m = summarize(metrics)
-  if draft_name == "derived":  # both the accept and the reject paths ran
-    assert 0 < m["acceptance_rate"] < 1
-
-
-def test_identical_draft_accepts_everything_greedy(target, target_greedy):
-  rows, metrics = run(target, target, k=3)
-  assert rows == target_greedy
-  m = summarize(metrics)
-  assert m["accepted"] == m["proposed"] > 0
-  assert acceptance_by_position(metrics) == [1.0, 1.0, 1.0]
-  assert m["alpha"] == pytest.approx(1.0, abs=1e-5)
-
-
-def test_identical_draft_accepts_everything_sampled(target):
-  _, metrics = run(target, target, k=3, sampling=Sampling(temperature=1.0))
-  m = summarize(metrics)
-  assert m["accepted"] == m["proposed"] > 0
-  assert m["tokens_per_target_call"] > 1
-
-
-# --- one step at a time -------------------------------------------------------
-
-K = 3
-SAMPLED = Sampling(temperature=1.2, top_k=30)
+    "target_config", "drafter", "k", "sampling", "window"))
+CACHE = 64
 
 
 def pad(rows, width):
@@ -95,34 +36,237 @@ def pad(rows, width):
   return jnp.asarray(out)
 
 
+def ngram_draft(model):
+  return Draft(NGramDraft(model.config.vocab_size), (), "n-gram")
+
+
+def hybrid_draft(draft):
+  """n-gram rows where lookup matches, the model draft elsewhere."""
+  drafter = HybridDraft(ModelDraft(draft.config), NGramDraft(draft.config.vocab_size))
+  return Draft(drafter, draft.params, f"hybrid of {draft.source}")
+
+
 @pytest.fixture(scope="module")
-def trajectory(target):
-  """States and step results of sampled speculative decoding until all rows stop."""
-  draft = drafts(target)["derived"]
-  lens = np.array([len(p) for p in PROMPTS])
-  cache_size = 32 + MAX_NEW + K
-  state = start(target.params, draft.params, pad(PROMPTS, 32), jnp.asarray(lens),
-                target.config.init_cache(3, cache_size),
-                draft.config.init_cache(3, cache_size), jax.random.key(0),
-                target_config=target.config, draft_config=draft.config, k=K,
-                max_new_tokens=MAX_NEW)
-  states, results, target_probs = [state], [], []
-  while not np.all(state.output.done):
-    state, result, target_logits = step(target.params, draft.params, state,
-                                        target_config=target.config,
-                                        draft_config=draft.config, k=K,
-                                        sampling=SAMPLED)
+def prompts():
+  """Lengths 1 to 16; the last one repeats a passage, as code and SQL answers do.
+
+  It is a prompt, the model's own continuation, then the prompt again: the
+  n-gram draft proposes that continuation, which the target partly repeats.
+  """
+  model = tiny_model()
+  base = prompts_of_lengths((1, 9, 5, 4), seed=4)
+  [continued] = Engine(model, max_new_tokens=8).generate_ids([base[-1]])
+  return base[:-1] + [base[-1] + continued.token_ids + base[-1]]
+
+
+def run(target, draft, prompts, k, sampling=Sampling()):
+  """Engine results, one per prompt."""
+  engine = Engine(target, draft, k=k, sampling=sampling, max_new_tokens=MAX_NEW)
+  return engine.generate_ids(prompts)
+
+
+def total(results, name):
+  return sum(r.metrics[name] for r in results)
+
+
+@pytest.fixture(scope="module")
+def target(prompts):
+  """The tiny target, with an EOS it emits so rows stop at different times."""
+  model = tiny_model()
+  return with_eos(model, run(model, None, prompts, k=0)[1].token_ids[4])
+
+
+@pytest.fixture(scope="module")
+def target_greedy(target, prompts):
+  rows = [r.token_ids for r in run(target, None, prompts, k=0)]
+  assert len({len(r) for r in rows}) > 1 and min(len(r) for r in rows) < MAX_NEW
+  return rows
+
+
+def drafts(target):
+  head = tuple(range(0, 64, 2)) + (2, 3)  # misses half the target's vocabulary
+  derived = draft_lib.derive(target, [0, 1, 2])
+  return {
+      "derived": derived,
+      "independent": with_eos(tiny_model(seed=7, num_layers=2), target.config.eos_id),
+      "restricted": draft_lib.derive(target, [0, 1], head),
+      "ngram": ngram_draft(target),
+      "hybrid": hybrid_draft(draft_lib.derive(target, [0])),
+  }
+
+
+@pytest.mark.parametrize("draft_name, k", [
+    ("derived", 1), ("derived", 3), ("derived", 5), ("independent", 3),
+    ("restricted", 2), ("ngram", 1), ("ngram", 4), ("hybrid", 2), ("hybrid", 4)])
+def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
+                                                 draft_name, k):
+  results = run(target, drafts(target)[draft_name], prompts, k)
+  assert [r.token_ids for r in results] == target_greedy
+  proposed, accepted = total(results, "proposed"), total(results, "accepted")
+  if draft_name in ("derived", "ngram", "hybrid"):  # accept and reject paths ran
+    assert 0 < accepted < proposed
+  if draft_name == "ngram":  # some steps had no match: nothing proposed
+    assert proposed < k * total(results, "target_calls")
+
+
+def test_identical_draft_accepts_everything_greedy(target, target_greedy, prompts):
+  results = run(target, target, prompts, k=3)
+  assert [r.token_ids for r in results] == target_greedy
+  for r in results:
+    assert r.metrics["accepted"] == r.metrics["proposed"] > 0
+    assert r.metrics["alpha"] == pytest.approx(1.0, abs=1e-5)
+  # The whole-batch loop agrees, and so do its per-position counts.
+  lens = jnp.asarray([len(p) for p in prompts])
+  state = speculative.generate(
+      target.params, target.params, pad(prompts, 32), lens, jax.random.key(0),
+      target_config=target.config, drafter=ModelDraft(target.config), k=3,
+      sampling=GREEDY, max_new_tokens=MAX_NEW, cache_size=CACHE)
+  assert [speculative.output_of(state, row) for row in range(len(prompts))] == (
+      target_greedy)
+  assert acceptance_by_position(state.metrics) == [1.0, 1.0, 1.0]
+
+
+def test_identical_draft_accepts_everything_sampled(target, prompts):
+  results = run(target, target, prompts, k=3, sampling=Sampling(temperature=1.0))
+  for r in results:
+    assert r.metrics["accepted"] == r.metrics["proposed"] > 0
+  assert total(results, "accepted") > total(results, "target_calls")
+
+
+# --- n-gram lookup ------------------------------------------------------------
+
+
+def lookup_context(rows, width=24):
+  """A Context whose rows end at their last token; stale tokens after them
+  repeat the row, so a lookup reading past the end would find false matches."""
+  tokens = np.zeros((len(rows), width), np.int32)
+  for out, row in zip(tokens, rows):
+    out[:] = np.resize(row, width)
+  lengths = jnp.asarray([len(r) - 1 for r in rows], jnp.int32)
+  return Context(jnp.asarray(tokens), lengths, jnp.zeros_like(lengths))
+
+
+def reference_lookup(row, k, max_ngram, min_ngram):
+  """What prompt lookup should propose, in plain Python (None: no match)."""
+  for n in range(max_ngram, min_ngram - 1, -1):
+    earlier = [j for j in range(len(row) - n) if row[j:j + n] == row[-n:]]
+    if earlier:
+      copied = row[max(earlier) + n:]
+      return [copied[i % len(copied)] for i in range(k)]
+  return None
+
+
+HAND_BUILT = [  # (row, k, proposal)
+    # [5, 6] occurred twice: the latest match is copied.
+    ([5, 6, 20, 30, 5, 6, 40, 41, 5, 6], 4, [40, 41, 5, 6]),
+    # The 3-gram [7, 5, 6] beats the later 2-gram [5, 6].
+    ([7, 5, 6, 10, 11, 5, 6, 12, 7, 5, 6], 3, [10, 11, 5]),
+    # The copy runs past the end and keeps copying.
+    ([9, 8, 9], 5, [8, 9, 8, 9, 8]),
+    ([5, 6, 20, 30, 5, 6, 40, 41, 5, 6], 6, [40, 41, 5, 6, 40, 41]),
+    # No earlier occurrence of any suffix: nothing proposed.
+    ([3, 4, 5, 6, 7], 3, None),
+    ([3], 3, None),
+]
+
+
+@pytest.mark.parametrize("row, k, expected", HAND_BUILT)
+def test_ngram_proposes_the_latest_longest_match(row, k, expected):
+  assert reference_lookup(row, k, 3, 1) == expected
+  proposal, _ = NGramDraft(VOCAB, max_ngram=3).propose(
+      (), (), lookup_context([row]), None, k, GREEDY, None)
+  assert int(proposal.num_proposed[0]) == (0 if expected is None else k)
+  if expected is not None:
+    assert proposal.tokens[0].tolist() == expected
+    # q is one-hot at the copied tokens, whatever the sampling rule.
+    for sampling in (GREEDY, Sampling(temperature=1.5, top_k=5, top_p=0.9)):
+      np.testing.assert_array_equal(sampling.probs(proposal.logits[0]),
+                                    jax.nn.one_hot(expected, VOCAB))
+
+
+def test_ngram_lookup_matches_the_reference_on_random_rows():
+  rng = np.random.default_rng(0)
+  rows = [rng.integers(3, 7, int(n)).tolist() for n in rng.integers(1, 20, 64)]
+  for max_ngram, min_ngram in [(3, 1), (2, 2), (4, 2)]:
+    drafter = NGramDraft(VOCAB, max_ngram=max_ngram, min_ngram=min_ngram)
+    tokens, found = drafter.lookup(lookup_context(rows), 4)
+    for row, got, has in zip(rows, tokens.tolist(), found.tolist()):
+      expected = reference_lookup(row, 4, max_ngram, min_ngram)
+      assert has == (expected is not None)
+      if has:
+        assert got == expected
+
+
+def test_hybrid_proposes_ngram_where_matched_and_the_draft_elsewhere(target):
+  k, sampling = 3, Sampling(temperature=1.2)
+  draft = draft_lib.derive(target, [0])
+  model = ModelDraft(draft.config)
+  hybrid = HybridDraft(model, NGramDraft(VOCAB))
+  rows = [row for row, _, _ in HAND_BUILT[:3]] + [[10, 11, 12], [3, 4, 5, 6, 7]]
+  ctx = lookup_context(rows)
+  copied, matched = hybrid.ngram.lookup(ctx, k)
+  assert matched.tolist() == [True, True, True, False, False]
+  params = model.prepare(draft.params)
+  cache = jax.jit(model.prefill)(params, model.init_state(len(rows), 24),
+                                 ctx.tokens, ctx.lengths + 1)
+  keys = speculative.row_keys(jax.random.key(1), len(rows))
+  propose = lambda drafter: jax.jit(functools.partial(
+      drafter.propose, k=k, sampling=sampling, window=None))(
+          params, cache, ctx, keys)[0]
+  own, mixed = propose(model), propose(hybrid)
+  np.testing.assert_array_equal(mixed.num_proposed, k)
+  hot = np.asarray(matched)
+  np.testing.assert_array_equal(mixed.tokens[hot], copied[hot])
+  np.testing.assert_array_equal(sampling.probs(mixed.logits[hot]),
+                                jax.nn.one_hot(copied[hot], VOCAB))
+  np.testing.assert_array_equal(mixed.tokens[~hot], own.tokens[~hot])
+  np.testing.assert_allclose(mixed.logits[~hot], own.logits[~hot], atol=1e-5)
+
+
+# --- one step at a time -------------------------------------------------------
+
+K = 3
+SAMPLED = Sampling(temperature=1.2, top_k=30)
+
+
+def trajectory_draft(target, kind):
+  """(the model draft or None, the drafter) of each kind the step runs."""
+  draft = draft_lib.derive(target, [0, 1])
+  return {"model": (draft, ModelDraft(draft.config)),
+          "hybrid": (draft, hybrid_draft(draft).drafter),
+          "ngram": (None, NGramDraft(VOCAB))}[kind]
+
+
+@pytest.fixture(scope="module", params=["model", "hybrid", "ngram"])
+def trajectory(request, target, prompts):
+  """States and step results of sampled speculative decoding until all rows stop.
+
+  Each prompt runs twice (rows draw with their own keys): more kinds of stop.
+  """
+  draft, drafter = trajectory_draft(target, request.param)
+  target_params = llama.for_decoding(target.params, target.config)
+  draft_params = drafter.prepare(draft.params if draft else (), target_params)
+  prompts = prompts * 2
+  b = len(prompts)
+  state, _ = start(target_params, draft_params, pad(prompts, 32),
+                   jnp.asarray([len(p) for p in prompts]), jnp.full((b,), MAX_NEW),
+                   speculative.row_keys(jax.random.key(0), b),
+                   target_config=target.config, drafter=drafter, k=K,
+                   cache_size=CACHE)
+  states, results = [state], []
+  while not np.all(state.done):
+    state, result = step(target_params, draft_params, state,
+                         target_config=target.config, drafter=drafter, k=K,
+                         sampling=SAMPLED)
     states.append(state)
     results.append(result)
-    target_probs.append(SAMPLED.probs(target_logits))
     assert len(results) < 2 * MAX_NEW
-  return draft, states, results, target_probs
+  return draft, drafter, states, results
 
 
 def context(state, row):
-  """Prompt plus emitted tokens: everything the next step conditions on."""
-  n = int(state.output.lengths[row])
-  return PROMPTS[row] + np.asarray(state.output.tokens[row, :n]).tolist()
+  """Prompt plus emitted tokens c_0..c_m: everything the next step conditions on."""
+  return np.asarray(state.tokens[row, :int(state.lengths[row]) + 1]).tolist()
 
 
 def np_probs(logits, sampling):
@@ -135,91 +279,109 @@ def np_probs(logits, sampling):
 
 
 def test_alpha_is_one_minus_total_variation(target, trajectory):
-  draft, states, results, target_probs = trajectory
-  width = 32 + MAX_NEW + K + 1
+  draft, drafter, states, results = trajectory
+  width = CACHE + K + 1
   checked = 0
-  for before, result, p in zip(states, results, target_probs):
+  for before, result in zip(states, results):
+    p = SAMPLED.probs(result.target_logits)
+    ctx = Context(before.tokens, before.lengths, before.route)
+    copied, matched = NGramDraft(VOCAB).lookup(ctx, K)
     for row in np.flatnonzero(result.active):
-      ctx, x = context(before, row), np.asarray(result.drafted[row]).tolist()
-      t_logits, _ = apply(target.params, target.config, pad([ctx + x], width))
-      d_logits, _ = apply(draft.params, draft.config, pad([ctx + x[:-1]], width))
-      first = len(ctx) - 1
+      seq, x = context(before, row), np.asarray(result.drafted[row]).tolist()
+      num_proposed = int(result.num_proposed[row])
+      t_logits, _ = apply(target.params, target.config, pad([seq + x], width))
+      first = len(seq) - 1
       p_np = np_probs(t_logits[0, first:first + K + 1], SAMPLED)
-      q_np = np_probs(d_logits[0, first:first + K], SAMPLED)
-      tv = 0.5 * np.abs(p_np[:K] - q_np).sum(-1)
-      np.testing.assert_allclose(result.alpha[row], 1 - tv, atol=2e-5)
       np.testing.assert_allclose(p[row], p_np, atol=2e-5)
+      if drafter.__class__ is not ModelDraft and matched[row]:  # copied: q one-hot
+        assert x == copied[row].tolist()
+        q_np = np.eye(VOCAB)[x]
+      elif num_proposed:
+        d_logits, _ = apply(draft.params, draft.config, pad([seq + x[:-1]], width))
+        q_np = np_probs(d_logits[0, first:first + K], SAMPLED)
       n = int(result.num_accepted[row])
-      np.testing.assert_array_equal(result.is_verified[row], np.arange(K) <= n)
-      checked += 1
+      np.testing.assert_array_equal(result.is_verified[row],
+                                    (np.arange(K) <= n) & (np.arange(K) < num_proposed))
+      if num_proposed:
+        tv = 0.5 * np.abs(p_np[:K] - q_np).sum(-1)
+        np.testing.assert_allclose(result.alpha[row], 1 - tv, atol=2e-5)
+        checked += 1
   assert checked >= 6
 
 
 def test_caches_after_rejection_equal_fresh_prefill(target, trajectory):
-  draft, states, results, _ = trajectory
+  draft, _, states, results = trajectory
   rejections = 0
-  for before, after, result in zip(states, states[1:], results):
-    committed = [context(after, row)[:-1] for row in range(3)]  # last is uncached
+  rows = range(len(states[0].prompt_lens))
+  for after, result in zip(states[1:], results):
+    committed = [context(after, row)[:-1] for row in rows]  # c_m is uncached
     lengths = np.array([len(c) for c in committed])
     np.testing.assert_array_equal(after.target_cache.lengths, lengths)
-    cache_size = after.target_cache.size
-    for model, cache, valid in [(target, after.target_cache, lengths),
-                                (draft, after.draft_cache, lengths - 1)]:
-      _, fresh = prefill_jit(model.params, model.config, pad(committed, cache_size),
-                             jnp.asarray(lengths), model.config.init_cache(3, cache_size))
-      for row in range(3):
-        for got, want in [(cache.k, fresh.k), (cache.v, fresh.v)]:
-          np.testing.assert_allclose(got[:, row, :valid[row]],
-                                     want[:, row, :valid[row]], atol=1e-5)
-    rejections += int(np.sum(np.asarray(result.active) & (result.num_accepted < K)))
+    checks = [(target, after.target_cache, lengths)]
+    if isinstance(after.draft, KVCache):  # the next proposal re-reads c_{m-1}
+      checks.append((draft, after.draft, np.maximum(lengths - 1, 0)))
+    for model, cache, valid in checks:
+      _, fresh = prefill_jit(model.params, model.config, pad(committed, CACHE),
+                             jnp.asarray(lengths),
+                             model.config.init_cache(len(rows), CACHE))
+      heads = model.config.num_kv_heads
+      for got, want in zip(cache.k + cache.v, fresh.k + fresh.v):
+        for row in rows:
+          at = slice(row * heads, (row + 1) * heads)
+          np.testing.assert_allclose(got[at, :valid[row]], want[at, :valid[row]],
+                                     atol=1e-5)
+    rejections += int(np.sum(np.asarray(result.active) &
+                             (result.num_accepted < result.num_proposed)))
   assert rejections > 0
 
 
 def test_finished_rows_stop_changing(trajectory):
-  _, states, results, _ = trajectory
+  _, _, states, results = trajectory
   finished_early = 0
   for before, after, result in zip(states, states[1:], results):
-    done = np.asarray(before.output.done)
+    done = np.asarray(before.done)
     np.testing.assert_array_equal(result.active, ~done)
     for row in np.flatnonzero(done):
       finished_early += 1
-      assert int(result.kept[row]) == 0 and bool(after.output.done[row])
-      for a, b in [(before.output.tokens, after.output.tokens),
-                   (before.output.lengths, after.output.lengths),
-                   (before.target_cache.lengths, after.target_cache.lengths),
-                   (before.last_token, after.last_token),
-                   (before.prev_token, after.prev_token),
-                   (before.metrics.emitted, after.metrics.emitted),
-                   (before.metrics.target_calls, after.metrics.target_calls),
-                   (before.metrics.alpha_count, after.metrics.alpha_count)]:
+      assert int(result.kept[row]) == 0 and bool(after.done[row])
+      for a, b in [(before.tokens, after.tokens),
+                   (before.lengths, after.lengths),
+                   *zip(jax.tree.leaves(before.metrics),
+                        jax.tree.leaves(after.metrics))]:
         np.testing.assert_array_equal(a[row], b[row])
   assert finished_early > 0
 
 
 def test_rows_stop_at_eos_or_length(target, trajectory):
-  _, states, _, _ = trajectory
-  out = states[-1].output
+  _, _, states, _ = trajectory
   stopped_by_eos = []
-  for row in range(3):
-    n = int(out.lengths[row])
-    is_eos = np.asarray(out.tokens[row, :n]) == target.config.eos_id
-    assert n == MAX_NEW or (is_eos[-1] and n < MAX_NEW)
+  for row in range(len(states[-1].prompt_lens)):
+    out = speculative.output_of(states[-1], row)
+    is_eos = np.asarray(out) == target.config.eos_id
+    assert len(out) == MAX_NEW or (is_eos[-1] and len(out) < MAX_NEW)
     assert not is_eos[:-1].any()
     stopped_by_eos.append(bool(is_eos[-1]))
   assert set(stopped_by_eos) == {True, False}  # both kinds of stop happened
 
 
 def test_metrics_are_consistent(trajectory):
-  _, states, results, _ = trajectory
-  m = states[-1].metrics
-  np.testing.assert_array_equal(m.emitted, states[-1].output.lengths)
-  np.testing.assert_array_equal(m.proposed, K * m.target_calls)
-  verified = sum(np.asarray(r.is_verified).sum(1) for r in results)
-  np.testing.assert_array_equal(m.alpha_count, verified)
+  """Running sums, per row and per draft position, agree with the step results."""
+  _, _, states, results = trajectory
+  m = jax.tree.map(np.asarray, states[-1].metrics)
+  sum_of = lambda f: sum(np.asarray(f(r), np.float32) for r in results)
+  np.testing.assert_array_equal(m.emitted, states[-1].num_generated)
+  np.testing.assert_array_equal(m.target_calls, sum_of(lambda r: r.active))
+  np.testing.assert_array_equal(m.proposed,
+                                sum_of(lambda r: r.active * r.num_proposed))
+  np.testing.assert_array_equal(m.alpha_count, sum_of(lambda r: r.is_verified.sum(1)))
+  np.testing.assert_array_equal(m.reached_by_position, sum_of(lambda r: r.is_verified))
   # Draft position i+1 is verified exactly when position i was accepted.
-  np.testing.assert_array_equal(m.accepted_by_position[:-1], m.reached_by_position[1:])
-  assert m.reached_by_position[0] == m.target_calls.sum()
-  assert m.accepted_by_position.sum() == m.accepted.sum()
+  np.testing.assert_array_equal(m.accepted_by_position[:, :-1],
+                                m.reached_by_position[:, 1:])
+  np.testing.assert_array_equal(
+      m.reached_by_position[:, 0], sum_of(lambda r: r.active & (r.num_proposed > 0)))
+  np.testing.assert_array_equal(m.accepted_by_position.sum(1), m.accepted)
+  assert 0 < m.accepted.sum() < m.proposed.sum()
 
 
 # --- the real model -----------------------------------------------------------
@@ -227,13 +389,20 @@ def test_metrics_are_consistent(trajectory):
 
 @pytest.mark.real_model
 def test_real_greedy_speculative_equals_target(smollm2):
-  """SmolLM2 with its derived draft (2 layers, 8,192-token head), k = 3."""
+  """SmolLM2, k = 3, with its derived draft (2 layers, 8,192-token head), the
+  n-gram draft and their hybrid, on a batch of mixed lengths."""
   head = draft_lib.frequent_token_ids(smollm2.tokenizer, 8192)
-  draft = draft_lib.derive(smollm2, [0, 1], head)
-  speculative_out = Engine(smollm2, draft, k=3, max_new_tokens=16).generate(REAL_PROMPTS)
-  target_only = Engine(smollm2, max_new_tokens=16)
-  for c in speculative_out:
-    [alone] = target_only.generate([c.prompt])
-    assert c.token_ids == alone.token_ids
-    assert c.metrics["target_calls"] <= len(c.token_ids)
-    assert 0 <= c.metrics["alpha"] <= 1
+  derived = draft_lib.derive(smollm2, [0, 1], head)
+  prompts = REAL_PROMPTS + ["Hello"]
+  target_only = Engine(smollm2, max_new_tokens=16).generate(prompts)
+  assert len({len(c.prompt_ids) for c in target_only}) == len(prompts)
+  expected = [c.token_ids for c in target_only]
+  for name, draft in [("derived", derived), ("ngram", ngram_draft(smollm2)),
+                      ("hybrid", hybrid_draft(derived))]:
+    out = Engine(smollm2, draft, k=3, max_new_tokens=16).generate(prompts)
+    assert [c.token_ids for c in out] == expected, name
+    for c in out:
+      assert c.metrics["target_calls"] <= len(c.token_ids)
+      assert not 0 > c.metrics["alpha"] and not c.metrics["alpha"] > 1  # NaN: none
+    if name != "ngram":
+      assert sum(c.metrics["accepted"] for c in out) > 0

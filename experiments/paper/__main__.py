@@ -21,7 +21,7 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(flags.FLAGS.compilation_cache))
   target = model_flags.load_target()
-  draft = model_flags.load_draft(target)
+  draft = model_flags.load_draft_model(target)  # offline distillation: a model draft
   print(f"target {target.source}\ndraft {draft.source}\n{settings}")
   run(flags.FLAGS.experiment, target, draft, settings, flags.FLAGS.output_dir)
 

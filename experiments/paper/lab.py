@@ -12,6 +12,7 @@ from experiments import plots
 from experiments.paper.settings import Settings
 from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.data import EVAL, TRAIN, make_stream
+from osd_jax.decoding.drafts import Draft, ModelDraft
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import offline
 from osd_jax.serving import driver, online
@@ -54,11 +55,13 @@ class Lab:
              categories: Sequence[str] = ("default",)):
     """Serves the stream learning online: (records in serving order, final state)."""
     s = self.settings
-    reporter = Reporter(self.output_dir, name, window=s.window, every=32,
-                        tensorboard=False)
+    reporter = Reporter(self.output_dir, name, total=len(requests),
+                        window=s.window, tensorboard=False)
+    draft = Draft(ModelDraft(self.draft.config), self.draft.params, self.draft.source)
+    queries = [driver.Query(r.prompt, r.category, r.domain) for r in requests]
     state = driver.run_stream(
-        self.target, self.draft, requests, s.online_config(num_drafts),
-        batch_size=s.batch_size, mesh=online.make_mesh(1), seed=s.seed,
+        self.target, draft, queries, s.online_config(num_drafts),
+        num_slots=s.batch_size, mesh=online.make_mesh(1), seed=s.seed,
         chat=True, categories=categories, on_request=reporter)
     reporter.close()
     return read_jsonl(os.path.join(self.output_dir, f"{name}.jsonl")), state

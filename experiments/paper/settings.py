@@ -64,10 +64,15 @@ class Settings:
     capacity = self.batch_size * -(-self.update_interval // self.batch_size)
     return online.OnlineConfig(
         k=self.k, sampling=Sampling(), max_new_tokens=self.max_new_tokens,
-        prompt_len=self.prompt_len, update_interval=self.update_interval,
+        cache_size=self.cache_size, update_interval=self.update_interval,
         buffer_capacity=capacity, teacher_k=self.teacher_topk,
         sample_source=self.sample_source, num_drafts=num_drafts,
         distill=self.distill_config())
+
+  @property
+  def cache_size(self) -> int:
+    """Slot positions: the longest prompt drawn, its new tokens and k."""
+    return self.prompt_len + self.max_new_tokens + self.k
 
   def offline_config(self) -> offline.OfflineConfig:
     return offline.OfflineConfig(

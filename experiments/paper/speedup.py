@@ -4,18 +4,13 @@ import os
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from experiments import plots
+from experiments import bench_common, plots
 from experiments.paper.lab import Lab, domain_drafts, markdown, write
-from osd_jax.checkpoints.loading import LoadedModel
-from osd_jax.decoding import generate as target_only
-from osd_jax.decoding import speculative
+from osd_jax.decoding.drafts import Draft, ModelDraft
+from osd_jax.decoding.engine import Engine
 from osd_jax.decoding.sampling import Sampling
-from osd_jax.distillation import offline
-from osd_jax.models import llama
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
@@ -31,70 +26,38 @@ def best_k(alpha: float, c: float, v_of_k: Callable[[int], float] = lambda k: 1.
               for k in range(1, max_k + 1)), key=lambda kv: kv[1])
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def measure_costs(lab: Lab) -> dict:
   """c = draft step / target step and v_k = target call on k+1 tokens / on 1."""
   s = lab.settings
-  size = s.prompt_len + s.max_new_tokens + s.speedup_max_k + s.k
-  context = s.prompt_len
-
-  def call_seconds(model: LoadedModel, tokens: int) -> float:
-    cache = model.config.init_cache(s.batch_size, size).with_lengths(
-        jnp.full((s.batch_size,), context, jnp.int32))
-    step = jax.jit(lambda p, t, c: llama.apply(p, model.config, t, c)[0])
-    tokens_BxT = jnp.full((s.batch_size, tokens), 5, jnp.int32)
-    return _median_seconds(lambda: step(model.params, tokens_BxT, cache),
-                           s.timing_repeats)
-
-  target_1 = call_seconds(lab.target, 1)
+  seconds = lambda model, tokens: bench_common.forward_seconds(
+      model.params, model.config, s.batch_size, tokens, filled=s.prompt_len // 2,
+      window=s.cache_size, repeats=s.timing_repeats)
+  target_1 = seconds(lab.target, 1)
   ks = sorted({s.k} | set(range(1, s.speedup_max_k + 1)))
-  v = {k: call_seconds(lab.target, k + 1) / target_1 for k in ks}
-  c = call_seconds(lab.draft, 1) / target_1
+  v = {k: seconds(lab.target, k + 1) / target_1 for k in ks}
+  c = seconds(lab.draft, 1) / target_1
   return {"c": c, "v": v, "target_step_seconds": target_1,
-          "batch_size": s.batch_size, "context": context}
+          "batch_size": s.batch_size, "context": s.prompt_len // 2}
 
 
 def _timed_decoding(lab: Lab, prompt_ids, draft_params=None) -> tuple[float, dict]:
   """Seconds to decode all prompts (compile excluded), and speculative metrics."""
   s = lab.settings
-  t, d = lab.target, lab.draft
-  size = s.prompt_len + s.max_new_tokens + s.k
-  batches = list(offline.padded_batches(
-      prompt_ids, s.batch_size, s.prompt_len, t.config.pad_id))
-
-  def decode(prompts, lens):
-    rng = jax.random.key(s.seed)
-    if draft_params is None:
-      return target_only.generate(
-          t.params, jnp.asarray(prompts), jnp.asarray(lens),
-          t.config.init_cache(s.batch_size, size), rng, config=t.config,
-          sampling=Sampling(), max_new_tokens=s.max_new_tokens)[0]
-    return speculative.generate(
-        t.params, draft_params, jnp.asarray(prompts), jnp.asarray(lens),
-        t.config.init_cache(s.batch_size, size),
-        d.config.init_cache(s.batch_size, size), rng, target_config=t.config,
-        draft_config=d.config, k=s.k, sampling=Sampling(),
-        max_new_tokens=s.max_new_tokens)
-
-  jax.block_until_ready(decode(*batches[0][:2]))  # compile
-  seconds, sums = 0.0, {}
-  for prompts, lens, is_real in batches:
-    start = time.perf_counter()
-    out = jax.block_until_ready(decode(prompts, lens))
-    seconds += time.perf_counter() - start
-    if draft_params is not None:
-      for name in ("alpha_sum", "alpha_count", "emitted", "target_calls"):
-        sums[name] = sums.get(name, 0.0) + float(
-            np.asarray(getattr(out.metrics, name))[is_real].sum())
+  draft = (None if draft_params is None else
+           Draft(ModelDraft(lab.draft.config), draft_params, "draft"))
+  engine = Engine(lab.target, draft, k=s.k if draft else 0, sampling=Sampling(),
+                  max_new_tokens=s.max_new_tokens, num_slots=s.batch_size,
+                  cache_size=s.cache_size)
+  engine.generate_ids(prompt_ids[:s.batch_size], s.seed)  # compile
+  start = time.perf_counter()
+  results = engine.generate_ids(prompt_ids, s.seed)
+  seconds = time.perf_counter() - start
+  sums = {}
+  if draft is not None:
+    sums = {"alpha_sum": sum(r.metrics["alpha"] for r in results),
+            "alpha_count": float(len(results)),
+            "emitted": float(sum(len(r.token_ids) for r in results)),
+            "target_calls": sum(r.metrics["target_calls"] for r in results)}
   return seconds, sums
 
 

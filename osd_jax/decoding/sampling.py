@@ -7,6 +7,7 @@ tempered distribution.
 
 import dataclasses
 
+import flax
 import jax
 import jax.numpy as jnp
 
@@ -56,11 +57,82 @@ class Sampling:
     return jax.nn.softmax(self.filtered_logits(logits_xV), axis=-1)
 
   def sample(self, rng: jax.Array, logits_xV: jax.Array) -> jax.Array:
-    """One token per row of logits."""
+    """One token per row of logits.
+
+    `rng` is one key, or one key per leading row ([B] keys for [B, ..., V]
+    logits): then each row's draw depends on its own key alone, so a
+    request's sample does not depend on which others share its batch.
+    """
     if self.is_greedy:
       return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(
-        rng, self.filtered_logits(logits_xV), axis=-1).astype(jnp.int32)
+    filtered = self.filtered_logits(logits_xV)
+    if rng.ndim:
+      draw = jax.vmap(lambda key, logits: jax.random.categorical(key, logits, axis=-1))
+      return draw(rng, filtered).astype(jnp.int32)
+    return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
 
 
 GREEDY = Sampling()
+
+
+def _per_row(x_B: jax.Array, like: jax.Array) -> jax.Array:
+  """[B] values shaped to broadcast against [B, ..., V]."""
+  return x_B.reshape(x_B.shape + (1,) * (like.ndim - 1))
+
+
+@flax.struct.dataclass
+class RowSampling:
+  """Sampling settings per row, so requests with their own settings share a batch.
+
+  Temperature costs nothing; top-k and top-p sort the vocabulary, and only
+  run (lax.cond) when some row asks for them.
+  """
+
+  temperature: jax.Array  # [B] float32; 0 = greedy
+  top_k: jax.Array  # [B] int32; 0 = off
+  top_p: jax.Array  # [B] float32; 1 = off
+
+  @classmethod
+  def fill(cls, sampling: Sampling, batch_size: int) -> "RowSampling":
+    full = lambda value, dtype: jnp.full((batch_size,), value, dtype)
+    return cls(full(sampling.temperature, jnp.float32),
+               full(sampling.top_k, jnp.int32), full(sampling.top_p, jnp.float32))
+
+  @property
+  def is_greedy(self) -> jax.Array:
+    return self.temperature == 0.0
+
+  def filtered_logits(self, logits_BxV: jax.Array) -> jax.Array:
+    """Tempered logits, filtered tokens at -inf (greedy rows: unchanged)."""
+    logits = logits_BxV.astype(jnp.float32)
+    greedy = _per_row(self.is_greedy, logits)
+    tempered = logits / jnp.where(greedy, 1.0, _per_row(self.temperature, logits))
+
+    def top_k(x):
+      kth_index = _per_row(jnp.clip(self.top_k - 1, 0, x.shape[-1] - 1), x)
+      kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), kth_index, axis=-1)
+      off = _per_row(self.top_k == 0, x)
+      return jnp.where(off | (x >= kth), x, -jnp.inf)
+
+    def top_p(x):
+      sorted_desc = -jnp.sort(-x, axis=-1)
+      probs = jax.nn.softmax(sorted_desc, axis=-1)
+      mass_before = jnp.cumsum(probs, axis=-1) - probs
+      kept = jnp.where(mass_before < _per_row(self.top_p, x), sorted_desc, jnp.inf)
+      cutoff = jnp.min(kept, axis=-1, keepdims=True)
+      return jnp.where(x < cutoff, -jnp.inf, x)
+
+    tempered = jax.lax.cond(jnp.any(self.top_k > 0), top_k, lambda x: x, tempered)
+    tempered = jax.lax.cond(jnp.any(self.top_p < 1.0), top_p, lambda x: x, tempered)
+    return jnp.where(greedy, logits, tempered)
+
+  def probs(self, logits_BxV: jax.Array) -> jax.Array:
+    """Each row's distribution (greedy rows: the plain softmax)."""
+    return jax.nn.softmax(self.filtered_logits(logits_BxV), axis=-1)
+
+  def sample(self, rng_B: jax.Array, logits_BxV: jax.Array) -> jax.Array:
+    """One token per row, each from its own key (greedy rows: the argmax)."""
+    draw = jax.vmap(lambda key, logits: jax.random.categorical(key, logits, axis=-1))
+    drawn = draw(rng_B, self.filtered_logits(logits_BxV)).astype(jnp.int32)
+    greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return jnp.where(_per_row(self.is_greedy, greedy), greedy, drawn)

@@ -1,21 +1,23 @@
 """Batched speculative decoding with static k and exact rejection sampling.
 
 Invariant between steps, per row: the target cache holds the committed
-context c_0..c_{m-1}; `last_token` c_m is emitted but not cached; `prev_token`
-is c_{m-1}. The draft re-reads [c_{m-1}, c_m] from position m-1 each step, so
-its cache is right whether or not it had cached c_{m-1} (it had not when all
-k drafts were accepted) and rollback is only a length.
+context c_0..c_{m-1}; `tokens` holds c_0..c_m, the last token c_m emitted
+but not cached. A step asks the drafter for x_1..x_k, scores [c_m, x_1..x_k]
+with the target in one pass, keeps an exact prefix plus one target token,
+and rolls back by setting lengths. The drafter is static configuration: the
+step never asks which kind it holds. k = 0 with `NoDraft` is plain decoding.
 """
 
 import functools
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
 
-from osd_jax.decoding.output import Output
-from osd_jax.decoding.prefill import prefill
-from osd_jax.decoding.sampling import Sampling
+from osd_jax.decoding.drafts.base import Context, Proposal, Verified
+from osd_jax.decoding.prefill import prefill_hidden
+from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
@@ -23,183 +25,271 @@ from osd_jax.models.kv_cache import KVCache
 
 @flax.struct.dataclass
 class Metrics:
-  """Running sums; every rate the engine reports is a ratio of two of these."""
+  """Running sums per row; every rate the engine reports is a ratio of two."""
 
-  proposed: jax.Array  # [batch] drafted tokens proposed
-  accepted: jax.Array  # [batch] drafted tokens accepted
-  target_calls: jax.Array  # [batch] verification passes
-  emitted: jax.Array  # [batch] tokens appended to the output
-  alpha_sum: jax.Array  # [batch] sum over verified positions of sum_v min(p, q)
-  alpha_count: jax.Array  # [batch] verified positions
-  reached_by_position: jax.Array  # [k] times draft position i was verified
-  accepted_by_position: jax.Array  # [k] times it was accepted
+  proposed: jax.Array  # [B] drafted tokens proposed
+  accepted: jax.Array  # [B] drafted tokens accepted
+  target_calls: jax.Array  # [B] verification passes
+  emitted: jax.Array  # [B] tokens appended to the output
+  alpha_sum: jax.Array  # [B] sum over verified positions of sum_v min(p, q)
+  alpha_count: jax.Array  # [B] verified positions
+  reached_by_position: jax.Array  # [B, k] times draft position i was verified
+  accepted_by_position: jax.Array  # [B, k] times it was accepted
 
   @classmethod
   def zeros(cls, batch_size: int, k: int) -> "Metrics":
-    b = jnp.zeros((batch_size,), jnp.float32)
-    return cls(b, b, b, b, b, b, jnp.zeros((k,), jnp.float32),
-               jnp.zeros((k,), jnp.float32))
+    # Distinct buffers: a state holding one array twice cannot be donated.
+    b = lambda: jnp.zeros((batch_size,), jnp.float32)
+    bk = lambda: jnp.zeros((batch_size, k), jnp.float32)
+    return cls(b(), b(), b(), b(), b(), b(), bk(), bk())
+
+  def reset_row(self, row: jax.Array) -> "Metrics":
+    return jax.tree.map(lambda x: x.at[row].set(0), self)
+
+
+@flax.struct.dataclass
+class SpecState:
+  """Everything that changes while a batch of rows decodes."""
+
+  target_cache: KVCache  # c_0..c_{m-1}; lengths = m
+  draft: Any  # the drafter's own state (a KV cache, nothing, ...)
+  tokens: jax.Array  # [B, S] prompt then output: c_0..c_m
+  prompt_lens: jax.Array  # [B]
+  budget: jax.Array  # [B] most new tokens of each row
+  done: jax.Array  # [B] bool: EOS or budget reached (or an empty slot)
+  rng: jax.Array  # [B] keys: each row draws from its own
+  metrics: Metrics
+  route: jax.Array  # [B] int32: which draft serves the row (per category)
+  # Each row's own sampling settings, used when the step has no static one.
+  sampling: RowSampling
+
+  @property
+  def lengths(self) -> jax.Array:
+    """m per row."""
+    return self.target_cache.lengths
+
+  @property
+  def num_generated(self) -> jax.Array:
+    """[B] tokens emitted so far (EOS included)."""
+    return self.target_cache.lengths + 1 - self.prompt_lens
 
 
 @flax.struct.dataclass
 class StepResult:
   """What one step saw, per row: enough for metrics and online distillation."""
 
-  drafted: jax.Array  # [batch, k] proposed tokens x_1..x_k
-  num_accepted: jax.Array  # [batch] n in 0..k, before EOS/length cuts
-  emitted: jax.Array  # [batch, k+1] x_1..x_n then the correction/bonus y
-  kept: jax.Array  # [batch] tokens appended (0 for finished rows)
-  alpha: jax.Array  # [batch, k] sum_v min(p_i, q_i)
-  is_verified: jax.Array  # [batch, k] position i <= n on an active row
-  active: jax.Array  # [batch] row was unfinished when the step began
-  start: jax.Array  # [batch] position of the first emitted token in the sequence
+  drafted: jax.Array  # [B, k] proposed tokens x_1..x_k
+  num_proposed: jax.Array  # [B] how many of them were real proposals
+  num_accepted: jax.Array  # [B] n in 0..k, before EOS/length cuts
+  emitted: jax.Array  # [B, k+1] x_1..x_n then the correction/bonus y
+  kept: jax.Array  # [B] tokens appended (0 for finished rows)
+  alpha: jax.Array  # [B, k] sum_v min(p_i, q_i)
+  is_verified: jax.Array  # [B, k] position i <= n on an active row
+  active: jax.Array  # [B] row was unfinished when the step began
+  start: jax.Array  # [B] sequence position of the first emitted token (m + 1)
+  target_logits: jax.Array  # [B, k+1, V] the teacher, free from verification
+  hidden: jax.Array  # [B, k+1, D] target hidden states at positions m..m+k
 
 
-@flax.struct.dataclass
-class SpecState:
-  target_cache: KVCache
-  draft_cache: KVCache
-  output: Output
-  prev_token: jax.Array  # [batch] c_{m-1}
-  last_token: jax.Array  # [batch] c_m
-  rng: jax.Array
-  metrics: Metrics
+def row_keys(rng: jax.Array, batch_size: int) -> jax.Array:
+  """[B] independent keys from one."""
+  return jax.random.split(rng, batch_size)
 
 
-def start(target_params, draft_params, prompts_BxP, prompt_lens_B,
-          target_cache: KVCache, draft_cache: KVCache, rng, *,
-          target_config: LlamaConfig, draft_config: LlamaConfig, k: int,
-          max_new_tokens: int) -> SpecState:
-  """Prefills both models on all but the last prompt token (prompts need >= 2)."""
-  cached = prompt_lens_B - 1
-  _, target_cache = prefill(target_params, target_config, prompts_BxP, cached,
-                            target_cache)
-  _, draft_cache = prefill(draft_params, draft_config, prompts_BxP, cached,
-                           draft_cache)
-  take = lambda i: jnp.take_along_axis(prompts_BxP, i[:, None], axis=1)[:, 0]
-  batch = prompts_BxP.shape[0]
-  return SpecState(target_cache, draft_cache,
-                   Output.empty(batch, max_new_tokens, slack=k + 1),
-                   take(jnp.maximum(cached - 1, 0)), take(cached), rng,
-                   Metrics.zeros(batch, k))
+def empty_state(target_config: LlamaConfig, drafter, *, batch_size: int,
+                cache_size: int, k: int) -> SpecState:
+  """`batch_size` empty (done) rows: the slot engine fills them one by one."""
+  b = batch_size
+  zeros = lambda: jnp.zeros((b,), jnp.int32)
+  return SpecState(
+      target_config.init_cache(b, cache_size),
+      drafter.init_state(b, cache_size),
+      jnp.zeros((b, cache_size), jnp.int32), zeros(), zeros(),
+      jnp.ones((b,), bool), row_keys(jax.random.key(0), b), Metrics.zeros(b, k),
+      zeros(), RowSampling.fill(Sampling(), b))
 
 
-def _propose(draft_params, draft_config, state: SpecState, rng, k, sampling):
-  """k draft tokens and the draft logits that produced them ([B,k], [B,k,V])."""
-  cache = state.draft_cache.with_lengths(state.target_cache.lengths - 1)
-  pair = jnp.stack([state.prev_token, state.last_token], axis=1)
-  logits, cache = llama.apply(draft_params, draft_config, pair, cache)
-  rngs = jax.random.split(rng, k)
-  first = sampling.sample(rngs[0], logits[:, 1])
+def start(target_params, draft_params, prompts_BxP, prompt_lens_B, budget_B, rng_B,
+          *, target_config: LlamaConfig, drafter, k: int, cache_size: int,
+          sampling: RowSampling | None = None) -> tuple[SpecState, jax.Array]:
+  """Prefills target and draft on each prompt but its last token.
 
-  def step(carry, step_rng):
-    token, cache = carry
-    logits, cache = llama.apply(draft_params, draft_config, token[:, None], cache)
-    nxt = sampling.sample(step_rng, logits[:, 0])
-    return (nxt, cache), (nxt, logits[:, 0])
+  `sampling` holds each row's own settings (default: greedy), read when a
+  step has no static sampling. Returns the state and the target's hidden
+  states at the prompt positions [B, P, D] (the feature draft reads them).
+  """
+  b, width = prompts_BxP.shape
+  cached = jnp.maximum(prompt_lens_B - 1, 0)
+  hidden, target_cache = prefill_hidden(target_params, target_config, prompts_BxP,
+                                        cached, target_config.init_cache(b, cache_size))
+  draft = drafter.prefill(draft_params, drafter.init_state(b, cache_size),
+                          prompts_BxP, prompt_lens_B,
+                          hidden if drafter.needs_hidden else None)
+  tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :width].set(prompts_BxP)
+  state = SpecState(target_cache, draft, tokens, prompt_lens_B.astype(jnp.int32),
+                    budget_B.astype(jnp.int32), budget_B < 1, rng_B,
+                    Metrics.zeros(b, k), jnp.zeros((b,), jnp.int32),
+                    sampling or RowSampling.fill(Sampling(), b))
+  return state, hidden
 
-  (_, cache), (rest, rest_logits) = jax.lax.scan(step, (first, cache), rngs[1:])
-  drafted = jnp.concatenate([first[:, None], rest.T], axis=1)
-  draft_logits = jnp.concatenate(
-      [logits[:, 1:], jnp.swapaxes(rest_logits, 0, 1)], axis=1)
-  return drafted, draft_logits, cache
+
+def _accept(proposal: Proposal, target_logits, keys_B, sampling):
+  """Leviathan et al.'s rule: (n accepted, correction/bonus token y, alpha [B, k]).
+
+  `sampling` is one static Sampling, or a RowSampling whose greedy rows take
+  the greedy rule and whose other rows the stochastic one.
+  """
+  drafted = proposal.tokens
+  k = drafted.shape[1]
+  is_real = jnp.arange(k) < proposal.num_proposed[:, None]
+  # The metric uses the plain softmax in greedy mode, the sampler's otherwise.
+  p = sampling.probs(target_logits)  # [B, k+1, V]
+  q = sampling.probs(proposal.logits)  # [B, k, V]
+  alpha = jnp.minimum(p[:, :k], q).sum(axis=-1)
+  choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+  n_greedy = jnp.cumprod((drafted == choice[:, :k]) & is_real, axis=1).sum(axis=1)
+  y_greedy = jnp.take_along_axis(choice, n_greedy[:, None], axis=1)[:, 0]
+  if isinstance(sampling, Sampling) and sampling.is_greedy:
+    return n_greedy, y_greedy, alpha
+  n, y = _accept_sampled(proposal, p, q, keys_B, is_real)
+  if isinstance(sampling, RowSampling):
+    n = jnp.where(sampling.is_greedy, n_greedy, n)
+    y = jnp.where(sampling.is_greedy, y_greedy, y)
+  return n, y, alpha
 
 
-def _accept(drafted_BxK, p_BxKp1xV, q_BxKxV, target_logits, rng, sampling):
-  """Leviathan et al.'s rule: (n accepted, correction/bonus token y)."""
-  b, k = drafted_BxK.shape
-  if sampling.is_greedy:
-    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
-    is_accepted = drafted_BxK == choice[:, :k]
-    n = jnp.cumprod(is_accepted, axis=1).sum(axis=1)
-    return n, jnp.take_along_axis(choice, n[:, None], axis=1)[:, 0]
-  accept_rng, residual_rng = jax.random.split(rng)
+def _accept_sampled(proposal: Proposal, p, q, keys_B, is_real):
+  """The stochastic rule: accept x_i w.p. min(1, p/q), then y from the residual."""
+  drafted = proposal.tokens
+  k = drafted.shape[1]
+  split = jax.vmap(jax.random.split)(keys_B)
+  accept_keys, residual_keys = split[:, 0], split[:, 1]
   at_draft = lambda probs: jnp.take_along_axis(
-      probs[:, :k], drafted_BxK[..., None], axis=-1)[..., 0]
-  p_x, q_x = at_draft(p_BxKp1xV), at_draft(q_BxKxV)
-  u = jax.random.uniform(accept_rng, (b, k))
+      probs[:, :k], drafted[..., None], axis=-1)[..., 0]
+  p_x, q_x = at_draft(p), at_draft(q)
+  u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(accept_keys)
   # u < p/q without dividing; q_x > 0 because x was drawn from q.
-  is_accepted = u * q_x < p_x
+  is_accepted = (u * q_x < p_x) & is_real
   n = jnp.cumprod(is_accepted, axis=1).sum(axis=1)
-  q_padded = jnp.concatenate([q_BxKxV, jnp.zeros_like(q_BxKxV[:, :1])], axis=1)
-  p_n = jnp.take_along_axis(p_BxKp1xV, n[:, None, None], axis=1)[:, 0]
-  q_n = jnp.take_along_axis(q_padded, n[:, None, None], axis=1)[:, 0]
+  # Past the proposals (the bonus, or no draft at all) q is 0: y ~ p.
+  q_padded = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)
+  q_row = jnp.where(n < proposal.num_proposed, n, k)
+  p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+  q_n = jnp.take_along_axis(q_padded, q_row[:, None, None], axis=1)[:, 0]
   residual = jnp.maximum(p_n - q_n, 0.0)
   # All-zero residual happens only when p == q numerically; p is then exact.
   residual = jnp.where(residual.sum(-1, keepdims=True) > 1e-12, residual, p_n)
-  y = jax.random.categorical(residual_rng, jnp.log(residual), axis=-1)
-  return n, y.astype(jnp.int32)
+  draw = jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))
+  return n, draw(residual_keys, residual).astype(jnp.int32)
+
+
+def _write_rows(tokens_BxS, new_BxC, counts_B, starts_B):
+  """tokens[b, starts[b] + c] = new[b, c] for c < counts[b]; nothing else changes.
+
+  The rest of the written window is read back first, so a finished row whose
+  start XLA clamps (near the end of its slot) keeps its tokens.
+  """
+  c = new_BxC.shape[1]
+
+  def put(row, new, count, start):
+    old = jax.lax.dynamic_slice(row, (start,), (c,))
+    new = jnp.where(jnp.arange(c) < count, new.astype(row.dtype), old)
+    return jax.lax.dynamic_update_slice(row, new, (start,))
+
+  return jax.vmap(put)(tokens_BxS, new_BxC, counts_B, starts_B)
 
 
 def speculate_and_verify(target_params, draft_params, state: SpecState, *,
-                         target_config: LlamaConfig, draft_config: LlamaConfig,
-                         k: int, sampling: Sampling) -> tuple[SpecState, StepResult,
-                                                              jax.Array]:
-  """One draft-k, verify-once step. Also returns the target logits [B, k+1, V].
+                         target_config: LlamaConfig, drafter, k: int,
+                         sampling: Sampling | None,
+                         window: int | None = None) -> tuple[SpecState, StepResult]:
+  """One draft-k, verify-once step over every row.
 
-  Those logits are the teacher for online distillation: no second target pass.
+  `sampling` None draws each row with its own settings (state.sampling).
+  `window` bounds the cache positions attention reads (every row's length
+  after the step must fit). The target's logits and hidden states at the
+  verified positions come back in the result: the teacher for online
+  distillation, with no second target pass.
   """
-  rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
-  drafted, draft_logits, draft_cache = _propose(
-      draft_params, draft_config, state, draft_rng, k, sampling)
-  m = state.target_cache.lengths
-  verify_tokens = jnp.concatenate([state.last_token[:, None], drafted], axis=1)
-  target_logits, target_cache = llama.apply(target_params, target_config,
-                                            verify_tokens, state.target_cache)
-  p = sampling.probs(target_logits)
-  q = sampling.probs(draft_logits)
-  n, y = _accept(drafted, p, q, target_logits, accept_rng, sampling)
+  if sampling is None:
+    sampling = state.sampling
+  keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.rng)
+  next_keys, draft_keys, accept_keys = keys[:, 0], keys[:, 1], keys[:, 2]
+  m = state.lengths
+  ctx = Context(state.tokens, m, state.route)
+  proposal, draft = drafter.propose(draft_params, state.draft, ctx, draft_keys, k,
+                                    sampling, window)
+  verify = jnp.concatenate([ctx.last_token[:, None], proposal.tokens], axis=1)
+  hidden, target_cache = llama.forward(target_params, target_config, verify,
+                                       state.target_cache, window=window)
+  target_logits = llama.logits(target_params, target_config, hidden)
+  n, y, alpha = _accept(proposal, target_logits, accept_keys, sampling)
 
   positions = jnp.arange(k + 1)
   emitted = jnp.where(positions < n[:, None],
-                      jnp.pad(drafted, ((0, 0), (0, 1))),
+                      jnp.pad(proposal.tokens, ((0, 0), (0, 1))),
                       jnp.where(positions == n[:, None], y[:, None], 0))
-  active = ~state.output.done
-  out_start = state.output.lengths
-  output, kept = state.output.append(emitted, n + 1, target_config.eos_id)
-
-  take = lambda i: jnp.take_along_axis(emitted, jnp.maximum(i, 0)[:, None],
-                                       axis=1)[:, 0]
-  last = jnp.where(kept > 0, take(kept - 1), state.last_token)
-  prev = jnp.where(kept > 1, take(kept - 2),
-                   jnp.where(kept == 1, state.last_token, state.prev_token))
+  active = ~state.done
+  generated = state.num_generated
+  kept = jnp.where(active, jnp.minimum(n + 1, state.budget - generated), 0)
+  is_eos = (emitted == target_config.eos_id) & (positions < kept[:, None])
+  hit_eos = is_eos.any(axis=1)
+  kept = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, kept)
+  done = state.done | hit_eos | (generated + kept >= state.budget)
+  tokens = _write_rows(state.tokens, emitted, kept, m + 1)
   target_cache = target_cache.with_lengths(m + kept)
+  draft = drafter.commit(draft_params, draft, Verified(hidden, emitted, kept, m),
+                         window)
 
-  alpha = jnp.minimum(p[:, :k], q).sum(axis=-1)
-  is_verified = (jnp.arange(k) <= n[:, None]) & active[:, None]
+  is_verified = (jnp.arange(k) <= n[:, None]) & (
+      jnp.arange(k) < proposal.num_proposed[:, None]) & active[:, None]
   is_accepted = (jnp.arange(k) < n[:, None]) & active[:, None]
   f32 = lambda x: x.astype(jnp.float32)
   mt = state.metrics
   metrics = Metrics(
-      proposed=mt.proposed + f32(active) * k,
+      proposed=mt.proposed + f32(jnp.where(active, proposal.num_proposed, 0)),
       accepted=mt.accepted + f32(jnp.where(active, n, 0)),
       target_calls=mt.target_calls + f32(active),
       emitted=mt.emitted + f32(kept),
       alpha_sum=mt.alpha_sum + (alpha * is_verified).sum(axis=1),
       alpha_count=mt.alpha_count + f32(is_verified).sum(axis=1),
-      reached_by_position=mt.reached_by_position + f32(is_verified).sum(axis=0),
-      accepted_by_position=mt.accepted_by_position + f32(is_accepted).sum(axis=0))
-  state = SpecState(target_cache, draft_cache, output, prev, last, rng, metrics)
-  result = StepResult(drafted, n, emitted, kept, alpha, is_verified, active,
-                      out_start)
-  return state, result, target_logits
+      reached_by_position=mt.reached_by_position + f32(is_verified),
+      accepted_by_position=mt.accepted_by_position + f32(is_accepted))
+  state = state.replace(target_cache=target_cache, draft=draft, tokens=tokens,
+                        done=done, rng=next_keys, metrics=metrics)
+  result = StepResult(proposal.tokens, proposal.num_proposed, n, emitted, kept,
+                      alpha, is_verified, active, m + 1, target_logits, hidden)
+  return state, result
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("target_config", "draft_config", "k", "sampling",
-                     "max_new_tokens"),
-    donate_argnames=("target_cache", "draft_cache"))
-def generate(target_params, draft_params, prompts_BxP, prompt_lens_B,
-             target_cache: KVCache, draft_cache: KVCache, rng, *,
-             target_config: LlamaConfig, draft_config: LlamaConfig, k: int,
-             sampling: Sampling, max_new_tokens: int) -> SpecState:
-  """Speculative decoding until every row is done, in one compiled loop."""
-  state = start(target_params, draft_params, prompts_BxP, prompt_lens_B,
-                target_cache, draft_cache, rng, target_config=target_config,
-                draft_config=draft_config, k=k, max_new_tokens=max_new_tokens)
+    jax.jit, static_argnames=("target_config", "drafter", "k", "sampling",
+                              "max_new_tokens", "cache_size"))
+def generate(target_params, draft_params, prompts_BxP, prompt_lens_B, rng, *,
+             target_config: LlamaConfig, drafter, k: int, sampling: Sampling,
+             max_new_tokens: int, cache_size: int) -> SpecState:
+  """Decodes every row until EOS or max_new_tokens, in one compiled loop.
+
+  The whole batch waits for its slowest row: the slot engine does not.
+  """
+  target_params = llama.for_decoding(target_params, target_config)
+  draft_params = drafter.prepare(draft_params, target_params)
+  b = prompts_BxP.shape[0]
+  state, _ = start(target_params, draft_params, prompts_BxP, prompt_lens_B,
+                   jnp.full((b,), max_new_tokens), row_keys(rng, b),
+                   target_config=target_config, drafter=drafter, k=k,
+                   cache_size=cache_size)
   step = functools.partial(speculate_and_verify, target_params, draft_params,
-                           target_config=target_config, draft_config=draft_config,
-                           k=k, sampling=sampling)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.output.done),
-                            lambda s: step(s)[0], state)
+                           target_config=target_config, drafter=drafter, k=k,
+                           sampling=sampling)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(s)[0],
+                            state)
+
+
+def output_of(state: SpecState, row: int) -> list[int]:
+  """The generated token ids of one row (host side; EOS included)."""
+  # Whole arrays to the host, sliced there: slicing on device would compile
+  # a program per output length.
+  tokens, start, count = jax.device_get(
+      (state.tokens[row], state.prompt_lens[row], state.num_generated[row]))
+  return [int(t) for t in tokens[int(start):int(start) + int(count)]]

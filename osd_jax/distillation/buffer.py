@@ -10,8 +10,11 @@ class Buffer:
   """`capacity` sequences of `max_len` tokens, `gen_len` of them generated.
 
   Only generated positions carry a loss, so weights and teacher are stored
-  for those alone. Memory per sample: 4 max_len + gen_len (4 + 8 teacher_k)
-  + 9 bytes; e.g. max_len 192, gen_len 64, top-32: 17.4 KB.
+  for those alone. A feature draft also needs the target's hidden state at
+  every position, kept in bfloat16 (its inputs are normed, so bfloat16's 8
+  mantissa bits lose little). Memory per sample: 4 max_len + gen_len (4 + 8
+  teacher_k) + 2 max_len hidden_dim + 9 bytes; e.g. max_len 192, gen_len 64,
+  top-32, no hidden states: 17.4 KB; with SmolLM2's 576-wide states, +221 KB.
   """
 
   tokens: jax.Array  # [capacity, max_len] int32, prompt then generated tokens
@@ -21,14 +24,16 @@ class Buffer:
   loss_weight: jax.Array  # [capacity, gen_len] float32
   teacher_ids: jax.Array  # [capacity, gen_len, teacher_k] int32
   teacher_probs: jax.Array  # [capacity, gen_len, teacher_k] float32
+  # Target hidden state at each position (its feature), for feature drafts.
+  hidden: jax.Array  # [capacity, max_len, hidden_dim] bfloat16; hidden_dim 0: none
   category: jax.Array  # [capacity] int32
   is_valid: jax.Array  # [capacity] bool
   next_slot: jax.Array  # [] int32, where the next sample goes
   num_added: jax.Array  # [] int32, samples added since the buffer was made
 
   @classmethod
-  def empty(cls, capacity: int, max_len: int, gen_len: int,
-            teacher_k: int) -> "Buffer":
+  def empty(cls, capacity: int, max_len: int, gen_len: int, teacher_k: int,
+            hidden_dim: int = 0) -> "Buffer":
     """teacher_k 0 keeps no teacher: the update then recomputes it."""
     return cls(
         tokens=jnp.zeros((capacity, max_len), jnp.int32),
@@ -36,6 +41,7 @@ class Buffer:
         loss_weight=jnp.zeros((capacity, gen_len), jnp.float32),
         teacher_ids=jnp.zeros((capacity, gen_len, teacher_k), jnp.int32),
         teacher_probs=jnp.zeros((capacity, gen_len, teacher_k), jnp.float32),
+        hidden=jnp.zeros((capacity, max_len, hidden_dim), jnp.bfloat16),
         category=jnp.zeros((capacity,), jnp.int32),
         is_valid=jnp.zeros((capacity,), bool),
         next_slot=jnp.zeros((), jnp.int32),
@@ -49,8 +55,13 @@ class Buffer:
   def keeps_teacher(self) -> bool:
     return self.teacher_ids.shape[-1] > 0
 
+  @property
+  def keeps_hidden(self) -> bool:
+    return self.hidden.shape[-1] > 0
+
   def add(self, tokens_BxL, gen_start_B, loss_weight_BxG, teacher_ids_BxGxK,
-          teacher_probs_BxGxK, category_B, is_new_B) -> "Buffer":
+          teacher_probs_BxGxK, category_B, is_new_B,
+          hidden_BxLxD=None) -> "Buffer":
     """Writes the rows with is_new into consecutive slots, oldest overwritten."""
     order = jnp.cumsum(is_new_B) - 1
     slots = jnp.where(is_new_B, (self.next_slot + order) % self.capacity,
@@ -66,10 +77,24 @@ class Buffer:
         loss_weight=put(self.loss_weight, loss_weight_BxG),
         teacher_ids=put(self.teacher_ids, teacher_ids_BxGxK),
         teacher_probs=put(self.teacher_probs, teacher_probs_BxGxK),
+        hidden=(self.hidden if hidden_BxLxD is None
+                else put(self.hidden, hidden_BxLxD)),
         category=put(self.category, category_B),
         is_valid=put(self.is_valid, jnp.ones_like(is_new_B)),
         next_slot=(self.next_slot + added) % self.capacity,
         num_added=self.num_added + added)
+
+  def needed_length(self) -> jax.Array:
+    """[] positions that hold every valid sample up to its last weighted token."""
+    gen_len = self.loss_weight.shape[1]
+    last = jnp.max(jnp.where(self.loss_weight > 0, jnp.arange(1, gen_len + 1), 0),
+                   axis=1)
+    return jnp.max(jnp.where(self.is_valid & (last > 0), self.gen_start + 1 + last, 0))
+
+  def truncated(self, length: int) -> "Buffer":
+    """The same samples cut to their first `length` positions (static)."""
+    return self.replace(tokens=self.tokens[:, :length],
+                        hidden=self.hidden[:, :length])
 
   def cleared(self) -> "Buffer":
     """All slots invalid (the paper clears the buffer after each update)."""

@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osd_jax.decoding import speculative
+from osd_jax.checkpoints.loading import LoadedModel
+from osd_jax.decoding.batching import pad_prompts
+from osd_jax.decoding.drafts import Draft, ModelDraft
+from osd_jax.decoding.engine import Engine
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation import samples, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models.config import LlamaConfig
-from osd_jax.serving import driver
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +79,9 @@ def fitting(prompt_ids: Sequence[Sequence[int]], prompt_len: int) -> list[int]:
 
 def padded_batches(prompt_ids, batch_size: int, width: int, pad_id: int):
   """Yields (prompts [B, width], lengths [B], is_real [B]); the last is padded."""
-  pad = driver._pad_batch  # pylint: disable=protected-access
   for start in range(0, len(prompt_ids), batch_size):
-    yield pad(list(prompt_ids[start:start + batch_size]), batch_size, width,
-              pad_id)
+    yield pad_prompts(list(prompt_ids[start:start + batch_size]), batch_size,
+                      width, pad_id)
 
 
 def _teacher_mix(cfg: OfflineConfig, batch_size: int, rng: np.random.Generator):
@@ -149,6 +150,7 @@ def collect(target_params, target_config: LlamaConfig, draft_params,
   return Buffer(tokens=jnp.asarray(tokens), gen_start=jnp.asarray(lens - 1),
                 loss_weight=jnp.asarray(weight), teacher_ids=jnp.asarray(ids),
                 teacher_probs=jnp.asarray(probs),
+                hidden=jnp.zeros(tokens.shape + (0,), jnp.bfloat16),
                 category=jnp.zeros((n,), jnp.int32),
                 is_valid=jnp.ones((n,), bool),
                 next_slot=jnp.zeros((), jnp.int32),
@@ -274,33 +276,26 @@ def static_alpha(target_params, target_config: LlamaConfig, draft_params,
                  prompt_len: int, batch_size: int, seed: int = 0) -> dict:
   """Serves `prompt_ids` speculatively with a fixed draft; alpha per request and overall.
 
-  Prompts that do not fit `prompt_len` are skipped (as the online driver does).
-  Returns {"alpha": [per served request], "metrics": engine.summarize-style sums}.
+  Prompts longer than `prompt_len` are skipped (as in collection), so offline
+  and static numbers are measured on the same prompts. Served by the slot
+  engine with `batch_size` slots.
+  Returns {"alpha": mean over requests, "alpha_per_request", "indices", ...}.
   """
   keep = fitting(prompt_ids, prompt_len)
-  prompt_ids = [prompt_ids[i] for i in keep]
-  cache_size = prompt_len + max_new_tokens + k
-  rng = jax.random.key(seed)
-  alphas, sums = [], {}
-  for prompts, lens, is_real in padded_batches(
-      prompt_ids, batch_size, prompt_len, target_config.pad_id):
-    rng, batch_rng = jax.random.split(rng)
-    state = speculative.generate(
-        target_params, draft_params, jnp.asarray(prompts), jnp.asarray(lens),
-        target_config.init_cache(batch_size, cache_size),
-        draft_config.init_cache(batch_size, cache_size), batch_rng,
-        target_config=target_config, draft_config=draft_config, k=k,
-        sampling=sampling, max_new_tokens=max_new_tokens)
-    m = jax.device_get(state.metrics)
-    alphas += list(m.alpha_sum[is_real] / np.maximum(m.alpha_count[is_real], 1))
-    for name in ("alpha_sum", "alpha_count", "proposed", "accepted",
-                 "target_calls", "emitted"):
-      sums[name] = sums.get(name, 0.0) + float(getattr(m, name)[is_real].sum())
-  ratio = lambda a, b: sums[a] / sums[b] if sums.get(b) else float("nan")
+  target = LoadedModel(target_config, target_params, None, "target")
+  draft = Draft(ModelDraft(draft_config), draft_params, "draft")
+  engine = Engine(target, draft, k=k, sampling=sampling,
+                  max_new_tokens=max_new_tokens, num_slots=batch_size)
+  results = engine.generate_ids([list(prompt_ids[i]) for i in keep], seed) if keep else []
+  sums = {name: sum(r.metrics[name] for r in results)
+          for name in ("proposed", "accepted", "target_calls")}
+  emitted = sum(len(r.token_ids) for r in results)
+  alphas = [r.metrics["alpha"] for r in results]
+  ratio = lambda a, b: a / b if b else float("nan")
   return {"alpha_per_request": [float(a) for a in alphas],
           "indices": keep,
           # Mean over requests, as the online driver's rolling alpha is.
           "alpha": float(np.mean(alphas)) if alphas else float("nan"),
-          "acceptance_rate": ratio("accepted", "proposed"),
-          "tokens_per_target_call": ratio("emitted", "target_calls"),
+          "acceptance_rate": ratio(sums["accepted"], sums["proposed"]),
+          "tokens_per_target_call": ratio(emitted, sums["target_calls"]),
           "requests": len(alphas)}

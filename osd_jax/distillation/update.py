@@ -67,20 +67,23 @@ def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:
   return jnp.take_along_axis(hidden_NxLxD, positions[..., None], axis=1)
 
 
-def teacher_probs(target_params, target_config: LlamaConfig,
-                  buffer: Buffer) -> jax.Array:
+def teacher_probs(target_params, target_config: LlamaConfig, buffer: Buffer,
+                  support: tuple[int, ...] | None = None) -> jax.Array:
   """The target's distributions at generated positions [N, G, V].
 
   From the top-k kept at verification when the buffer has them; otherwise
   recomputed with one target forward (the prototype's way, and dearer).
   Always the plain softmax: the draft's own softmax is what is trained, and
   serving applies the same temperature/top-k/top-p to both afterwards.
+  With a `support` (a restricted draft head): on those tokens only,
+  renormalised, [N, G, len(support)].
   """
   if buffer.keeps_teacher:
     return teacher.dense(buffer.teacher_ids, buffer.teacher_probs,
-                         target_config.vocab_size)
+                         target_config.vocab_size, support)
   hidden = _generated_hidden(target_params, target_config, buffer)
-  return jax.nn.softmax(llama.logits(target_params, target_config, hidden), axis=-1)
+  p = jax.nn.softmax(llama.logits(target_params, target_config, hidden), axis=-1)
+  return teacher.on_support(p, support)
 
 
 def weighted_loss_sum(draft_params, draft_config: LlamaConfig, buffer: Buffer,

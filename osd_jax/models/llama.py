@@ -1,12 +1,15 @@
 """The Llama-family decoder as pure functions of (params, tokens, cache).
 
-Layer weights are stacked on a leading axis and run with `lax.scan`, so a
-30-layer model compiles as fast as a 1-layer one.
+Two layouts of the same weights: layers stacked on a leading axis (training
+scans over them, so a 30-layer model compiles as fast as one layer) or one
+dict per layer (`for_decoding`: each cached step loops over layers, and on
+CPU no per-layer slice of a stacked array is copied).
 """
 
 import jax
 import jax.numpy as jnp
 
+from osd_jax.models import kv_cache
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
 
@@ -66,132 +69,171 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array,
   return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x_BxTxHxD.dtype)
 
 
-def _attention(q_BxTxHxD, k_new, v_new, cached_k, cached_v, lengths_B, config):
-  """Grouped-query attention of T new queries over the cache plus themselves."""
-  b, t, _, hd = q_BxTxHxD.shape
-  groups = config.num_heads // config.num_kv_heads
-  q = q_BxTxHxD.reshape(b, t, config.num_kv_heads, groups, hd)
-  q = q * jnp.asarray(hd ** -0.5, q.dtype)
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  scores_new = jnp.einsum("btkgd,bskd->bkgts", q, k_new)
-  scores_new = jnp.where(causal_TxT, scores_new.astype(jnp.float32), -jnp.inf)
-  if cached_k is None:
-    scores, values = scores_new, v_new
-  else:
-    is_valid_BxS = jnp.arange(cached_k.shape[1]) < lengths_B[:, None]
-    scores_old = jnp.einsum("btkgd,bskd->bkgts", q, cached_k.astype(q.dtype))
-    scores_old = jnp.where(is_valid_BxS[:, None, None, None],
-                           scores_old.astype(jnp.float32), -jnp.inf)
-    scores = jnp.concatenate([scores_old, scores_new], axis=-1)
-    values = jnp.concatenate([cached_v.astype(v_new.dtype), v_new], axis=1)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, values)
-  return out.reshape(b, t, config.num_heads * hd)
+def flat_heads(x_BxTxHxD: jax.Array) -> jax.Array:
+  """[B, T, H, D] -> [B * H, T, D], the cache's layout."""
+  b, t, h, d = x_BxTxHxD.shape
+  return x_BxTxHxD.transpose(0, 2, 1, 3).reshape(b * h, t, d)
 
 
-def _layer(config: LlamaConfig, x, layer, cached_k, cached_v, positions,
-           lengths):
-  """One pre-norm decoder block; returns the output and this block's new K/V."""
+def attend(q_BxTxHxD: jax.Array, keys_NxSxD: jax.Array, values_NxSxD: jax.Array,
+           q_index_BxT: jax.Array, num_kv_heads: int) -> jax.Array:
+  """Grouped-query attention; key s is visible to a query at index p iff s <= p.
+
+  Keys and values are [batch * kv_heads, S, head_dim], key s at position s.
+  The query heads of one KV head are stacked as rows of one matrix, so each
+  (row, KV head) is a single small matmul.
+  """
+  b, t, h, d = q_BxTxHxD.shape
+  groups = h // num_kv_heads
+  q = q_BxTxHxD.reshape(b, t, num_kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
+  q = q.reshape(b * num_kv_heads, t * groups, d) * jnp.asarray(d ** -0.5, q.dtype)
+  scores = jnp.einsum("nqd,nsd->nqs", q, keys_NxSxD.astype(q.dtype))
+  s = keys_NxSxD.shape[1]
+  scores = scores.astype(jnp.float32).reshape(b, num_kv_heads, t, groups, s)
+  is_visible_BxTxS = jnp.arange(s) <= q_index_BxT[:, :, None]
+  scores = jnp.where(is_visible_BxTxS[:, None, :, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(values_NxSxD.dtype)
+  out = jnp.einsum("nqs,nsd->nqd", probs.reshape(b * num_kv_heads, t * groups, s),
+                   values_NxSxD)
+  out = out.reshape(b, num_kv_heads, t, groups, d).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, t, h * d)
+
+
+def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
+  """A block's queries, keys and values [B, T, heads, D], rotary applied."""
   b, t, _ = x.shape
   dtype = x.dtype
   h = rms_norm(x, layer["attn_norm"], config.rms_eps)
   q = (h @ layer["wq"].astype(dtype)).reshape(b, t, config.num_heads, -1)
   k = (h @ layer["wk"].astype(dtype)).reshape(b, t, config.num_kv_heads, -1)
   v = (h @ layer["wv"].astype(dtype)).reshape(b, t, config.num_kv_heads, -1)
-  q = apply_rope(q, positions, config.rope_theta)
-  k = apply_rope(k, positions, config.rope_theta)
-  attn = _attention(q, k, v, cached_k, cached_v, lengths, config)
-  x = x + attn @ layer["wo"].astype(dtype)
+  return (apply_rope(q, positions_BxT, config.rope_theta),
+          apply_rope(k, positions_BxT, config.rope_theta), v)
+
+
+def block_output(config: LlamaConfig, layer, x, attn_BxTxHD):
+  """The rest of a pre-norm block after attention: projection, residual, MLP."""
+  dtype = x.dtype
+  x = x + attn_BxTxHD @ layer["wo"].astype(dtype)
   h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
   gate = jax.nn.silu(h @ layer["w_gate"].astype(dtype))
-  x = x + (gate * (h @ layer["w_up"].astype(dtype))) @ layer["w_down"].astype(dtype)
-  return x, k, v
+  return x + (gate * (h @ layer["w_up"].astype(dtype))) @ layer["w_down"].astype(dtype)
+
+
+def decoder_layer(config: LlamaConfig, x, layer, positions_BxT, store, starts_B,
+                  window: int | None):
+  """One pre-norm decoder block.
+
+  `store` is this layer's (keys, values) cache arrays or None. With a store,
+  the new keys/values are written first (from `starts`, None = a prefill
+  from 0), then attention reads positions < `window` (None: only the new
+  tokens, as in a prefill or a cache-free forward). Returns (x, store).
+  """
+  q, k, v = project_qkv(config, layer, x, positions_BxT)
+  if store is not None:
+    store = (kv_cache.write(store[0], k, starts_B),
+             kv_cache.write(store[1], v, starts_B))
+  if window is None:  # keys are the new tokens alone, indexed from 0
+    keys, values = flat_heads(k), flat_heads(v)
+    q_index_BxT = positions_BxT - positions_BxT[:, :1]
+  else:  # keys are cache positions
+    keys, values = store[0][:, :window], store[1][:, :window]
+    q_index_BxT = positions_BxT
+  attn = attend(q, keys, values, q_index_BxT, config.num_kv_heads)
+  return block_output(config, layer, x, attn), store
+
+
+def _layer_list(layers) -> list:
+  """One dict per layer, from either layout (static slices of stacked weights)."""
+  if isinstance(layers, (list, tuple)):
+    return list(layers)
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  return [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(num_layers)]
 
 
 def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
-            cache: KVCache | None = None, *,
-            cache_is_empty: bool = False) -> tuple[jax.Array, KVCache | None]:
-  """Final hidden states of T new tokens and the cache with them appended.
+            cache: KVCache | None = None, *, cache_is_empty: bool = False,
+            window: int | None = None) -> tuple[jax.Array, KVCache | None]:
+  """Final (normed) hidden states [B, T, D] of T new tokens, and the cache.
 
-  With a cache, token t of row b sits at position cache.lengths[b] + t and
-  attends to that row's valid cache plus the new tokens up to itself; the
-  returned cache holds the new keys/values and lengths advanced by T. Without
-  a cache the tokens start at position 0 (training and scoring).
-  `cache_is_empty` (prefill into a cache of lengths 0) skips reading the
-  cache: faster, and XLA need not constant-fold attention over zeros.
+  Without a cache the tokens start at position 0 (training and scoring).
+  With one, token t of row b sits at position cache.lengths[b] + t and
+  attends to that row's cache up to itself; the returned cache holds the new
+  keys/values and lengths advanced by T. `window` (default: the cache size)
+  is how many cache positions attention reads: every row's new length must
+  fit in it. `cache_is_empty` (a prefill: lengths 0) reads no cache at all.
   """
   t = tokens_BxT.shape[1]
-  dtype = config.jnp_dtype
-  x = params["embed"][tokens_BxT].astype(dtype)
-  lengths = (jnp.zeros(tokens_BxT.shape[:1], jnp.int32) if cache is None
-             else cache.lengths)
-  positions_BxT = lengths[:, None] + jnp.arange(t)[None, :]
-
-  def step(x, layer_and_cache):
-    layer, cached_k, cached_v = layer_and_cache
-    if cache_is_empty:
-      cached_k = cached_v = None
-    x, k, v = _layer(config, x, layer, cached_k, cached_v, positions_BxT,
-                     lengths)
-    return x, (k, v)
-
-  layers = params["layers"]
-  if isinstance(layers, (list, tuple)):
-    # Unstacked layers (see `unstack_layers`): a Python loop, unrolled.
-    new_k, new_v = [], []
-    for i, layer in enumerate(layers):
-      cached = (None, None) if cache is None else (cache.k[i], cache.v[i])
-      x, (k, v) = step(x, (layer,) + cached)
-      new_k.append(k)
-      new_v.append(v)
-    new_k, new_v = jnp.stack(new_k), jnp.stack(new_v)
-  elif cache is None:
-    x, (new_k, new_v) = jax.lax.scan(
-        lambda x, layer: step(x, (layer, None, None)), x, layers)
+  x = params["embed"][tokens_BxT].astype(config.jnp_dtype)
+  if cache is None or cache_is_empty:
+    lengths = jnp.zeros(tokens_BxT.shape[:1], jnp.int32)
   else:
-    x, (new_k, new_v) = jax.lax.scan(step, x, (layers, cache.k, cache.v))
-  new_cache = None
-  if cache is not None:
-    new_cache = cache.write(new_k, new_v, is_empty=cache_is_empty).with_lengths(
-        cache.lengths + t)
-  return rms_norm(x, params["final_norm"], config.rms_eps), new_cache
+    lengths = cache.lengths
+  positions_BxT = lengths[:, None] + jnp.arange(t)[None, :]
+  layers = params["layers"]
+  if cache is None:
+    if isinstance(layers, (list, tuple)):
+      for layer in layers:
+        x, _ = decoder_layer(config, x, layer, positions_BxT, None, None, None)
+    else:
+      x, _ = jax.lax.scan(
+          lambda x, layer: (decoder_layer(config, x, layer, positions_BxT, None, None,
+                                   None)[0], None), x, layers)
+    return rms_norm(x, params["final_norm"], config.rms_eps), None
+  starts = None if cache_is_empty else lengths
+  attend_window = None if cache_is_empty else (window or cache.size)
+  new_k, new_v = [], []
+  for i, layer in enumerate(_layer_list(layers)):
+    x, (k, v) = decoder_layer(config, x, layer, positions_BxT, (cache.k[i], cache.v[i]),
+                       starts, attend_window)
+    new_k.append(k)
+    new_v.append(v)
+  cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + t)
+  return rms_norm(x, params["final_norm"], config.rms_eps), cache
 
 
 def unstack_layers(params: Params) -> Params:
-  """The same weights with one array per layer: forward then loops in Python.
+  """The same weights with one dict per layer (cached forwards loop over them)."""
+  return dict(params, layers=_layer_list(params["layers"]))
 
-  On CPU a scan's per-layer dynamic slice copies the weights, so a frozen
-  model decodes faster unrolled (at batch 1, 50-70 ms instead of 90-130 ms
-  per SmolLM2 token), for a longer compile (~10 s instead of ~2 s).
+
+def for_decoding(params: Params, config: LlamaConfig) -> Params:
+  """The layout decoding runs fastest in: one dict per layer, an explicit head.
+
+  A tied head is materialised as its own [D, V] kernel: read through the
+  embedding's transpose, XLA on CPU copies the whole embedding every step.
+  Call it once per compiled program, outside any decode loop.
   """
-  stacked = params["layers"]
-  num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  layers = [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]
-  return dict(params, layers=layers)
+  params = unstack_layers(params)
+  if config.tie_embeddings and "lm_head" not in params:
+    params["lm_head"] = params["embed"].T
+  return params
 
 
 def head_logits(params: Params, config: LlamaConfig,
                 hidden: jax.Array) -> jax.Array:
   """Logits over the head's rows (the full vocabulary unless restricted)."""
-  if config.tie_embeddings:
-    kernel = params["embed"].T
-  else:
-    kernel = params["lm_head"]
+  kernel = params["lm_head"] if "lm_head" in params else params["embed"].T
   return (hidden @ kernel.astype(hidden.dtype)).astype(jnp.float32)
+
+
+def full_vocab(config: LlamaConfig, head_logits_xH: jax.Array) -> jax.Array:
+  """Head logits spread onto the vocabulary; tokens outside get MASKED_LOGIT."""
+  if config.head_token_ids is None:
+    return head_logits_xH
+  full = jnp.full(head_logits_xH.shape[:-1] + (config.vocab_size,), MASKED_LOGIT,
+                  jnp.float32)
+  return full.at[..., jnp.asarray(config.head_token_ids)].set(head_logits_xH)
 
 
 def logits(params: Params, config: LlamaConfig, hidden: jax.Array) -> jax.Array:
   """Float32 logits over the full vocabulary; tokens outside the head get MASKED_LOGIT."""
-  sub = head_logits(params, config, hidden)
-  if config.head_token_ids is None:
-    return sub
-  full = jnp.full(sub.shape[:-1] + (config.vocab_size,), MASKED_LOGIT,
-                  jnp.float32)
-  return full.at[..., jnp.asarray(config.head_token_ids)].set(sub)
+  return full_vocab(config, head_logits(params, config, hidden))
 
 
 def apply(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
-          cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+          cache: KVCache | None = None, *,
+          window: int | None = None) -> tuple[jax.Array, KVCache | None]:
   """Full-vocabulary logits [B, T, V] of new tokens and the updated cache."""
-  hidden, cache = forward(params, config, tokens_BxT, cache)
+  hidden, cache = forward(params, config, tokens_BxT, cache, window=window)
   return logits(params, config, hidden), cache

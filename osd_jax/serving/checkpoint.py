@@ -11,9 +11,27 @@ from osd_jax.serving import distributed
 from osd_jax.serving.online import OnlineState
 
 
-def _to_key_data(state: OnlineState) -> OnlineState:
-  """Typed PRNG keys as raw uint32 data, which orbax can store."""
-  return state.replace(rng=jax.random.key_data(state.rng))
+def _storable(state: OnlineState):
+  """Typed PRNG keys as raw uint32 data, and no zero-size arrays (orbax stores
+  neither); restore rebuilds both from the template."""
+  raw = lambda x: (jax.random.key_data(x)
+                   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+  return jax.tree.map(lambda x: raw(x) if x.size else None, state)
+
+
+def _rebuild(stored, template: OnlineState) -> OnlineState:
+  """The inverse of _storable: `stored` has the template's non-empty leaves, in order."""
+  leaves, treedef = jax.tree.flatten(template)
+  saved = iter(jax.tree.leaves(stored))
+  out = []
+  for like in leaves:
+    if not like.size:
+      out.append(like)
+      continue
+    x = next(saved)
+    is_key = jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key)
+    out.append(jax.random.wrap_key_data(x) if is_key else x)
+  return treedef.unflatten(out)
 
 
 class Checkpointer:
@@ -56,7 +74,7 @@ class Checkpointer:
   def save(self, step: int, state: OnlineState, host: dict) -> None:
     """Writes state and host-side progress (stream position, counters)."""
     self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_to_key_data(state)),
+        state=ocp.args.StandardSave(_storable(state)),
         host=ocp.args.JsonSave(host)), force=True)
     self.manager.wait_until_finished()
 
@@ -65,8 +83,7 @@ class Checkpointer:
     step = self.manager.latest_step()
     if step is None:
       return None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                            _to_key_data(template))
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _storable(template))
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract),
@@ -75,8 +92,7 @@ class Checkpointer:
       raise CheckpointError(
           f"Checkpoint {step} in {self.directory} is corrupt or does not match"
           f" this run's shapes: {type(e).__name__}: {e}") from e
-    state = restored.state
-    return state.replace(rng=jax.random.wrap_key_data(state.rng)), restored.host
+    return _rebuild(restored.state, template), restored.host
 
   def close(self) -> None:
     self.manager.close()

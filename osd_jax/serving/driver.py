@@ -1,8 +1,12 @@
-"""Host side of the online loop: route, batch and feed requests, collect metrics.
+"""Host side of the online loop: admit requests into slots, call, collect, checkpoint.
 
-The host never touches parameters: it tokenizes, pads, calls the compiled
-step and reads back per-request metrics. Batches hold requests of one draft
-(category), so multiple drafts need no per-row parameter gather.
+The host never touches parameters. It keeps a queue in stream order and the
+request each slot holds; between compiled calls it refills free slots
+(continuous batching) and reads back the requests that finished. Every
+request is served: one that cannot fit a slot gets an error record and the
+stream goes on. Scheduling depends only on the stream and the device state,
+so a run resumed from a checkpoint (requests in flight included) makes the
+same calls as an uninterrupted one.
 """
 
 import dataclasses
@@ -10,15 +14,21 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from osd_jax import progress
 from osd_jax.checkpoints import tokenizer as tokenizers
 from osd_jax.checkpoints.loading import LoadedModel
+from osd_jax.decoding import slots as slot_lib
+from osd_jax.decoding import speculative
+from osd_jax.decoding.drafts import Draft
+from osd_jax.decoding.sampling import RowSampling, Sampling
+from osd_jax.models import llama
 from osd_jax.serving import distributed, online
 from osd_jax.serving.checkpoint import Checkpointer
 
-
-# Per-row running sums of speculative.Metrics (the others are per position).
+# Per-row running sums of speculative.Metrics.
 ROW_METRICS = ("proposed", "accepted", "target_calls", "emitted", "alpha_sum",
                "alpha_count")
 
@@ -32,149 +42,262 @@ class Query:
   domain: str = ""
 
 
-@dataclasses.dataclass
-class Batcher:
-  """Per-draft queues of request indices; a full queue becomes a batch."""
-
-  batch_size: int
-  queues: dict[int, list[int]]
-  next_request: int = 0
-
-  def feed(self, draft_of: Callable[[int], int], num_requests: int):
-    """Yields (draft, indices) in stream order, partial batches at the end."""
-    while self.next_request < num_requests:
-      index = self.next_request
-      self.next_request += 1
-      queue = self.queues.setdefault(draft_of(index), [])
-      queue.append(index)
-      if len(queue) == self.batch_size:
-        self.queues[draft_of(index)] = []
-        yield draft_of(index), queue
-    for draft in sorted(self.queues):
-      if self.queues[draft]:
-        queue, self.queues[draft] = self.queues[draft], []
-        yield draft, queue
-
-
 def encode_prompts(model: LoadedModel, prompts: Sequence[str],
                    chat: bool) -> list[list[int]]:
   """Token ids per prompt, through the chat template when asked."""
   return tokenizers.encode(model.tokenizer, prompts, chat, model.source)
 
 
-def _pad_batch(ids: list[list[int]], batch_size: int, width: int, pad_id: int):
-  """[batch, width] prompts, lengths, and which rows are real requests."""
-  prompts = np.full((batch_size, width), pad_id, np.int32)
-  lens = np.full((batch_size,), 2, np.int32)  # dummy rows: a 2-token prompt
-  for row, seq in enumerate(ids):
-    prompts[row, :len(seq)] = seq
-    lens[row] = len(seq)
-  is_real = np.arange(batch_size) < len(ids)
-  return prompts, lens, is_real
+def request_record(index: int, query: Query, slot_metrics: dict, new_tokens: int,
+                   prompt_tokens: int) -> dict:
+  """The metrics record of one served request."""
+  m = slot_metrics
+  return {"request": index, "category": query.category, "domain": query.domain,
+          "alpha": m["alpha_sum"] / max(m["alpha_count"], 1.0),
+          "acceptance_rate": m["accepted"] / max(m["proposed"], 1.0),
+          "tokens_per_target_call": m["emitted"] / max(m["target_calls"], 1.0),
+          "accepted": m["accepted"], "proposed": m["proposed"],
+          "target_calls": m["target_calls"], "new_tokens": new_tokens,
+          "prompt_tokens": prompt_tokens}
 
 
-def run_stream(target: LoadedModel, draft: LoadedModel, queries: Sequence[Query],
-               cfg: online.OnlineConfig, *, batch_size: int,
+class _Host:
+  """The scheduler's bookkeeping: what each slot holds and where the stream is."""
+
+  def __init__(self, num_slots: int):
+    self.owner = [-1] * num_slots  # request index per slot, -1 free
+    self.next_request = 0
+    self.served = 0
+    self.calls = 0
+
+  def to_json(self) -> dict:
+    return {"owner": self.owner, "next_request": self.next_request,
+            "served": self.served, "calls": self.calls}
+
+  def load(self, saved: dict) -> None:
+    self.owner, self.next_request = list(saved["owner"]), saved["next_request"]
+    self.served, self.calls = saved["served"], saved["calls"]
+
+
+def warm_up(step: online.Step, target_params, state: online.OnlineState,
+            prompt_lens: Sequence[int], mesh: jax.sharding.Mesh) -> None:
+  """Compiles every program a stream with these prompt lengths can call.
+
+  Runs them as no-ops (no slot admitted, every slot empty) on a copy of the
+  state, so timing a stream afterwards measures serving, not compiling.
+  """
+  cfg = step.cfg
+  widths = sorted({slot_lib.bucket(n, cfg.cache_size) for n in prompt_lens
+                   if cfg.fits(n)})
+  if not widths:
+    return
+  windows = sorted({cfg.window(n) for n in range(min(prompt_lens),
+                                                   cfg.cache_size + 1)})
+  devices = mesh.size
+  rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
+  keys = rows(speculative.row_keys(jax.random.key(0), devices))
+  bar = progress.bar(len(widths) + len(windows), "compiling", "programs")
+  scratch = jax.tree.map(jnp.copy, state)  # the programs donate their state
+  sampling = rows(RowSampling.fill(cfg.sampling or Sampling(), devices))
+  for width in widths:
+    scratch = step.insert(target_params, scratch,
+                          rows(np.zeros((devices, width), np.int32)),
+                          rows(np.ones(devices, np.int32)),
+                          rows(np.ones(devices, np.int32)),
+                          rows(np.full(devices, -1, np.int32)),
+                          rows(np.zeros(devices, np.int32)), keys, sampling)
+    bar.update(1)
+  for window in windows:
+    scratch, _ = step.serve(target_params, scratch, steps=cfg.steps_per_call,
+                            window=window)
+    bar.update(1)
+  jax.block_until_ready(scratch)
+  bar.close()
+
+
+def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
+               cfg: online.OnlineConfig, *, num_slots: int,
                mesh: jax.sharding.Mesh, seed: int = 0, chat: bool = True,
                categories: Sequence[str] = ("default",),
                checkpointer: Checkpointer | None = None,
                checkpoint_every: int = 0,
                on_request: Callable[[dict], None] = lambda record: None,
-               state: online.OnlineState | None = None):
-  """Serves `queries` in order, learning online; returns the final state.
+               state: online.OnlineState | None = None,
+               compile_first: bool = False) -> online.OnlineState:
+  """Serves `queries` in order with continuous batching, learning online.
 
-  `on_request` receives one metrics record per served request, in the order
-  they finish. Prompts longer than cfg.prompt_len are skipped and reported.
+  `on_request` receives one record per request as it finishes (served) or is
+  refused (`error`). `compile_first` compiles every program the stream may
+  call before serving it, so its records time serving alone. Returns the
+  final state.
   """
-  if batch_size % mesh.size:
-    raise ValueError(f"batch_size {batch_size} must be a multiple of the"
-                     f" {mesh.size} devices.")
-  draft_of_category = {c: i for i, c in enumerate(categories)}
+  devices = mesh.size
+  if num_slots % devices:
+    raise ValueError(f"{num_slots} slots must split evenly over {devices} devices.")
+  route_of = {c: i for i, c in enumerate(categories)}
   if cfg.num_drafts not in (1, len(categories)):
     raise ValueError(f"{cfg.num_drafts} drafts for {len(categories)} categories.")
 
-  def draft_of(index: int) -> int:
+  def route(index: int) -> int:
     if cfg.num_drafts == 1:
       return 0
     category = queries[index].category
-    if category not in draft_of_category:
+    if category not in route_of:
       raise ValueError(f"Request {index} has unknown category {category!r}.")
-    return draft_of_category[category]
+    return route_of[category]
 
   step = online.make_step(mesh, target_config=target.config,
-                          draft_config=draft.config, cfg=cfg)
-  # Placed before a restore, so that orbax restores straight onto the mesh
-  # (with several hosts, arrays spanning them have no host copy to place).
-  state = online.place_state(
-      state or online.init_state(draft.params, cfg, mesh.size, seed), mesh)
-  target_params = distributed.replicate(target.params, mesh)
-  batcher = Batcher(batch_size, {})
-  served = batches_done = 0
-  saved_at = None  # `served` of the newest checkpoint (orbax keeps one per step)
+                          drafter=draft.drafter, cfg=cfg)
+  # Placed before a restore, so that orbax restores straight onto the mesh.
+  state = online.place_state(state or online.init_state(
+      draft.params, draft.drafter, target.config, cfg, num_devices=devices,
+      num_slots=num_slots, seed=seed), mesh)
+  target_params = distributed.replicate(
+      llama.for_decoding(target.params, target.config), mesh)
+  host = _Host(num_slots)
   if checkpointer is not None:
     restored = checkpointer.restore_latest(state)
     if restored is not None:
-      state, host = restored
-      batcher = Batcher(batch_size, {int(k): v for k, v in host["queues"].items()},
-                        host["next_request"])
-      served = saved_at = host["served"]
-      batches_done = host.get("batches", 0)
-      print(f"Resumed at request {batcher.next_request} ({served} served).")
+      state, saved = restored
+      host.load(saved)
+      print(f"Resumed at request {host.next_request} ({host.served} served,"
+            f" {sum(o >= 0 for o in host.owner)} in flight).")
+  saved_at = host.served if checkpointer is not None else None
+  state = online.place_state(state, mesh)
+  if compile_first:
+    warm_up(step, target_params, state,
+            [len(ids) for ids in encode_prompts(target, [q.prompt for q in queries],
+                                                chat)], mesh)
+  rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
+  keys = speculative.row_keys(jax.random.key(seed), max(len(queries), 1))
+  # A stream's requests all sample as cfg.sampling says (static: unused).
+  sampling = jax.device_get(RowSampling.fill(cfg.sampling or Sampling(), devices))
+  ids_cache: dict[int, list[int]] = {}
+  # Timings (seconds, host clock), measured at call boundaries. A replayed
+  # stream arrives all at once, as a benchmark at an unbounded request rate:
+  # queue_s is the wait for a slot, ttft_s ends with the call that emitted a
+  # request's first token, and itl_s is its decoding time per output token
+  # from the start of that call.
+  start_time = time.perf_counter()
+  admitted: dict[int, float] = {}
+  first_token: dict[int, tuple[float, float]] = {}  # (call start, call end)
+  call_start = start_time
+  per_device = num_slots // devices
+
+  def ids_of(index: int) -> list[int]:
+    if index not in ids_cache:
+      ids_cache[index] = encode_prompts(target, [queries[index].prompt], chat)[0]
+    return ids_cache[index]
+
+  def next_servable():
+    """The next request that fits a slot; refused ones get their error record."""
+    while host.next_request < len(queries):
+      index = host.next_request
+      host.next_request += 1
+      ids = ids_of(index)
+      if cfg.fits(len(ids)):
+        return index
+      on_request({"request": index, "category": queries[index].category,
+                  "domain": queries[index].domain, "prompt_tokens": len(ids),
+                  "error": (f"prompt of {len(ids)} tokens + max_new_tokens"
+                            f" {cfg.max_new_tokens} + k {cfg.k} does not fit a"
+                            f" {cfg.cache_size}-position slot")})
+    return None
+
+  def admit():
+    """Fills free slots, at most one per device per insert call."""
+    nonlocal state
+    while True:
+      picks = []  # (device, local slot, request)
+      for device in range(devices):
+        free = [s for s in range(per_device)
+                if host.owner[device * per_device + s] < 0]
+        if free:
+          index = next_servable()
+          if index is None:
+            break
+          picks.append((device, free[0], index))
+      if not picks:
+        return
+      width = slot_lib.bucket(max(len(ids_of(i)) for _, _, i in picks),
+                              cfg.cache_size)
+      prompts = np.full((devices, width), target.config.pad_id, np.int32)
+      lens = np.ones((devices,), np.int32)
+      slot = np.full((devices,), -1, np.int32)
+      routes = np.zeros((devices,), np.int32)
+      key_rows = np.zeros((devices,), np.int32)
+      for device, local, index in picks:
+        ids = ids_of(index)
+        prompts[device, :len(ids)] = ids
+        lens[device], slot[device] = len(ids), local
+        routes[device], key_rows[device] = route(index), index
+        host.owner[device * per_device + local] = index
+        admitted[index] = time.perf_counter()
+      budget = np.full((devices,), cfg.max_new_tokens, np.int32)
+      state = step.insert(target_params, state, rows(prompts), rows(lens),
+                          rows(budget), rows(slot), rows(routes),
+                          rows(keys[key_rows]), rows(sampling))
+
+  def collect(out) -> list[dict]:
+    """Records of the requests that finished in the last call; frees their slots."""
+    done, lengths, prompt_lens = distributed.gather(
+        (state.slots.done, state.slots.lengths, state.slots.prompt_lens))
+    finished = [s for s in range(num_slots) if host.owner[s] >= 0 and done[s]]
+    now = time.perf_counter()
+    for s in range(num_slots):
+      if host.owner[s] >= 0 and lengths[s] + 1 > prompt_lens[s]:
+        first_token.setdefault(host.owner[s], (call_start, now))
+    if not finished:
+      return []
+    metrics = distributed.gather(state.slots.metrics)
+    records = []
+    for s in finished:
+      index = host.owner[s]
+      host.owner[s] = -1
+      host.served += 1
+      slot_metrics = {f: float(getattr(metrics, f)[s]) for f in ROW_METRICS}
+      record = request_record(index, queries[index], slot_metrics,
+                              int(lengths[s] + 1 - prompt_lens[s]), int(prompt_lens[s]))
+      decoding, first = first_token.pop(index, (call_start, now))
+      record.update(served=host.served, draft=route(index), call=host.calls,
+                    queue_s=admitted.pop(index, start_time) - start_time,
+                    ttft_s=first - start_time,
+                    itl_s=(now - decoding) / max(record["new_tokens"], 1),
+                    finished_s=now - start_time,
+                    learned=bool(cfg.learn and prompt_lens[s] + record["new_tokens"]
+                                 <= cfg.sample_len))
+      records.append(record)
+    # This call's update (if any) is reported once, on its last request.
+    did = np.asarray(out.did_update)
+    if did.any():
+      records[-1]["loss"] = float(np.nanmean(np.where(did, out.loss, np.nan)))
+      records[-1]["update_skipped"] = bool(np.asarray(out.skipped)[did].sum() > 0)
+    return records
 
   def save():
     nonlocal saved_at
-    if checkpointer is not None and saved_at != served:
-      checkpointer.save(served, state, {
-          "next_request": batcher.next_request, "served": served,
-          "batches": batches_done,
-          "queues": {str(k): v for k, v in batcher.queues.items()}})
-      saved_at = served
+    if checkpointer is not None and saved_at != host.served:
+      checkpointer.save(host.served, state, host.to_json())
+      saved_at = host.served
 
-  state = online.place_state(state, mesh)
-  # Every host plans the same batches; each puts only its own devices' rows.
-  put_rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
-  last_saved = served
-  for draft_index, indices in batcher.feed(draft_of, len(queries)):
-    ids = encode_prompts(target, [queries[i].prompt for i in indices], chat)
-    fits = [len(x) <= cfg.prompt_len and len(x) >= 2 for x in ids]
-    for i, ok, x in zip(indices, fits, ids):
-      if not ok:
-        on_request({"request": i, "skipped": True, "prompt_tokens": len(x)})
-    kept = [i for i, ok in zip(indices, fits) if ok]
-    if not kept:
-      continue
-    prompts, lens, is_real = _pad_batch([x for x, ok in zip(ids, fits) if ok],
-                                        batch_size, cfg.prompt_len,
-                                        target.config.pad_id)
-    start = time.perf_counter()
-    state, out = step(target_params, state, put_rows(prompts), put_rows(lens),
-                      put_rows(is_real), distributed.replicate(
-                          np.int32(draft_index), mesh))
+  last_saved = host.served
+  while host.next_request < len(queries) or any(o >= 0 for o in host.owner):
+    admit()
+    occupied = [s for s in range(num_slots) if host.owner[s] >= 0]
+    if not occupied:
+      break  # the rest of the stream was refused
+    lengths = distributed.gather(state.slots.lengths)
+    window = cfg.window(int(lengths[occupied].max()))
+    call_start = time.perf_counter()
+    state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
+                            window=window)
     out = distributed.gather(out)
-    seconds = time.perf_counter() - start
-    batch_tokens = int(out.lengths[is_real].sum())
-    for row, index in enumerate(kept):
-      m = out.metrics
-      m = {f: float(getattr(m, f)[row]) for f in ROW_METRICS}
-      served += 1
-      on_request({
-          "request": index, "served": served, "draft": draft_index,
-          "batch": batches_done,
-          "category": queries[index].category, "domain": queries[index].domain,
-          "alpha": m["alpha_sum"] / max(m["alpha_count"], 1.0),
-          "acceptance_rate": m["accepted"] / max(m["proposed"], 1.0),
-          "tokens_per_target_call": m["emitted"] / max(m["target_calls"], 1.0),
-          "new_tokens": int(out.lengths[row]),
-          "batch_seconds": seconds, "batch_tokens": batch_tokens,
-          # The batch's update (if any) is reported once, on its last request.
-          "loss": (float(out.loss) if out.did_update and row == len(kept) - 1
-                   else None),
-          "update_skipped": bool(out.did_update and not out.update_applied),
-      })
-    batches_done += 1
-    if checkpoint_every and served - last_saved >= checkpoint_every:
+    for record in collect(out):
+      on_request(record)
+    host.calls += 1
+    if checkpoint_every and host.served - last_saved >= checkpoint_every:
       save()
-      last_saved = served
+      last_saved = host.served
       state = online.place_state(state, mesh)
   save()
   return state

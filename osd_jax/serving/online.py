@@ -1,8 +1,13 @@
-"""The serve-and-learn step: serve a batch, buffer it, and every I requests distil.
+"""The serve-and-learn step on the slot engine, replicated over a device mesh.
 
-One compiled program per batch, replicated over a device mesh with shard_map:
-each device serves its slice of the batch into its own buffer; the update
-averages gradients across devices, so every replica of the draft stays equal.
+Two compiled programs, each a shard_map over a 1-D mesh: `insert` prefills
+at most one new request per device into a free slot; `serve` runs a bounded
+number of speculative steps over every slot, puts the requests that
+finished into the buffer of their draft, and every I finished requests takes
+that draft's update, all in the same call. Slots and buffers are split over
+devices; drafts and optimizer states are replicated, and the update sums
+losses, weights and gradients over devices before dividing, so every
+replica stays equal to what one device would compute.
 """
 
 import dataclasses
@@ -14,13 +19,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from osd_jax.decoding import slots as slot_lib
 from osd_jax.decoding import speculative
-from osd_jax.decoding.sampling import Sampling
-from osd_jax.distillation import samples, update
+from osd_jax.decoding.drafts import MultiDraft
+from osd_jax.decoding.sampling import RowSampling, Sampling
+from osd_jax.decoding.speculative import SpecState
+from osd_jax.distillation import objectives, samples, update
 from osd_jax.distillation.buffer import Buffer
+from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.serving import distributed
-from osd_jax.serving.serve import Served, serve_batch
+from osd_jax.serving.records import Records, samples as record_samples
 
 AXIS = "data"
 
@@ -30,10 +39,14 @@ class OnlineConfig:
   """Static settings of the loop (hashable: a jit static argument)."""
 
   k: int = 4
-  sampling: Sampling = Sampling()
-  max_new_tokens: int = 64
-  prompt_len: int = 128  # prompts are padded (and must fit) to this
-  update_interval: int = 8  # I: requests between updates, per draft
+  sampling: Sampling | None = Sampling()  # None: each request brings its own
+  max_new_tokens: int = 64  # the most any request may ask for
+  cache_size: int = 512  # positions per slot: prompt + new tokens + k must fit
+  train_len: int = 0  # positions of a buffer sample (0: cache_size)
+  steps_per_call: int = 8  # speculative steps between host refills
+  learn: bool = True  # False: the draft stays as it is, nothing is buffered
+  update_interval: int = 8  # I: finished requests between updates, per draft
+  update_steps: int = 1  # optimizer steps per update, each over the whole buffer
   buffer_capacity: int = 8  # samples per device and draft
   clear_after_update: bool = True  # as published; False keeps a ring
   teacher_k: int = 32  # 0: recompute the teacher with a target forward
@@ -44,19 +57,37 @@ class OnlineConfig:
   distill: update.DistillConfig = update.DistillConfig()
 
   def __post_init__(self):
-    if self.k < 1:
-      raise ValueError(f"k must be >= 1, got {self.k}.")
+    if self.k < 0:
+      raise ValueError(f"k must be >= 0, got {self.k}.")
     if self.loss_weighting not in ("corrected", "all"):
       raise ValueError(f"loss_weighting must be corrected|all, got"
                        f" {self.loss_weighting!r}.")
     if self.sample_source not in samples.SOURCES:
       raise ValueError(f"sample_source must be one of {samples.SOURCES}.")
-    if self.update_interval < 1 or self.buffer_capacity < 1:
-      raise ValueError("update_interval and buffer_capacity must be >= 1.")
+    if min(self.update_interval, self.buffer_capacity, self.update_steps,
+           self.steps_per_call, self.max_new_tokens, self.num_drafts) < 1:
+      raise ValueError("update_interval, update_steps, buffer_capacity,"
+                       " steps_per_call, max_new_tokens and num_drafts must be >= 1.")
+    if self.max_new_tokens + self.k + 1 > self.cache_size:
+      raise ValueError(f"cache_size {self.cache_size} cannot hold max_new_tokens"
+                       f" {self.max_new_tokens} + k {self.k} after a prompt.")
 
   @property
-  def max_len(self) -> int:
-    return self.prompt_len + self.max_new_tokens
+  def sample_len(self) -> int:
+    return self.train_len or self.cache_size
+
+  def fits(self, prompt_len: int) -> bool:
+    """Whether a prompt can be served with max_new_tokens in one slot."""
+    return 1 <= prompt_len and prompt_len + self.max_new_tokens + self.k <= self.cache_size
+
+  def window(self, longest: int) -> int:
+    """Attention window of one call when the longest slot holds `longest` tokens."""
+    return slot_lib.bucket(longest + self.steps_per_call * (self.k + 1),
+                           self.cache_size)
+
+  def slots(self, target_config: LlamaConfig, drafter, num_slots: int):
+    return slot_lib.SlotConfig(target_config, drafter, self.k, self.sampling,
+                               num_slots, self.cache_size)
 
 
 @flax.struct.dataclass
@@ -66,186 +97,238 @@ class OnlineState:
   draft_params: dict  # [num_drafts, ...] replicated over devices
   opt_state: optax.OptState  # [num_drafts, ...] replicated
   buffer: Buffer  # [devices, num_drafts, ...]: one buffer per device and draft
-  rng: jax.Array  # [devices] keys
-  since_update: jax.Array  # [num_drafts] requests since that draft's last update
+  slots: SpecState  # [slots, ...] split over devices
+  records: Records  # [slots, ...] split over devices
+  rng: jax.Array  # [devices] keys (for draft-sourced samples)
+  since_update: jax.Array  # [num_drafts] finished requests since the last update
   num_updates: jax.Array  # [num_drafts]
-  num_skipped: jax.Array  # [num_drafts] updates skipped for a non-finite loss
+  num_skipped: jax.Array  # [num_drafts] optimizer steps skipped (non-finite)
+  last_loss: jax.Array  # [num_drafts] loss at the latest update (NaN: none yet)
 
 
 @flax.struct.dataclass
 class StepOutput:
-  """Per request: tokens and metrics; per step: the update, if one ran."""
+  """What one serve call did besides decoding (per draft)."""
 
-  tokens: jax.Array  # [batch, max_new_tokens]
-  lengths: jax.Array  # [batch]
-  metrics: speculative.Metrics  # per request (leaf [batch])
-  did_update: jax.Array  # [] bool
-  loss: jax.Array  # [] meaningful only where did_update
-  update_applied: jax.Array  # [] bool: finite and applied
+  did_update: jax.Array  # [num_drafts] bool
+  loss: jax.Array  # [num_drafts] meaningful only where did_update
+  skipped: jax.Array  # [num_drafts] optimizer steps skipped in this call
 
 
-def init_state(draft_params, cfg: OnlineConfig, num_devices: int,
-               seed: int) -> OnlineState:
-  """N copies of the starting draft, fresh optimizer states and empty buffers."""
+def multi(drafter, cfg: OnlineConfig) -> MultiDraft:
+  """The loop's drafter: `num_drafts` copies of `drafter`, routed per slot."""
+  return MultiDraft(drafter, cfg.num_drafts)
+
+
+def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineConfig,
+               *, num_devices: int, num_slots: int, seed: int) -> OnlineState:
+  """N copies of the starting draft, fresh optimizer states, empty slots and buffers."""
+  if num_slots % num_devices:
+    raise ValueError(f"{num_slots} slots do not split over {num_devices} devices.")
   optimizer = update.make_optimizer(cfg.distill)
   stack = lambda x: jnp.broadcast_to(x, (cfg.num_drafts,) + x.shape).copy()
   params = jax.tree.map(stack, draft_params)
-  opt_state = jax.vmap(optimizer.init)(params)
-  one = Buffer.empty(cfg.buffer_capacity, cfg.max_len, cfg.max_new_tokens,
-                     cfg.teacher_k)
+  # A draft without parameters (n-gram, none) has no optimizer state.
+  opt_state = jax.vmap(optimizer.init)(params) if jax.tree.leaves(params) else ()
+  hidden_dim = target_config.hidden_dim if drafter.needs_hidden else 0
+  one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
+                     cfg.teacher_k, hidden_dim)
   buffer = jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_devices, cfg.num_drafts) + x.shape).copy(),
       one)
-  zeros = lambda: jnp.zeros((cfg.num_drafts,), jnp.int32)  # distinct buffers
-  return OnlineState(params, opt_state, buffer,
+  slots = speculative.empty_state(target_config, multi(drafter, cfg),
+                                  batch_size=num_slots, cache_size=cfg.cache_size,
+                                  k=cfg.k)
+  records = Records.empty(num_slots, cfg.cache_size, cfg.teacher_k, hidden_dim)
+  counters = lambda dtype: jnp.zeros((cfg.num_drafts,), dtype)  # distinct buffers
+  return OnlineState(params, opt_state, buffer, slots, records,
                      jax.random.split(jax.random.key(seed), num_devices),
-                     zeros(), zeros(), zeros())
+                     counters(jnp.int32), counters(jnp.int32), counters(jnp.int32),
+                     jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32))
 
 
-def _training_rows(target_params, draft_params, prompts, lens, served: Served,
-                   rng, tcfg, dcfg, cfg: OnlineConfig):
-  """(tokens [B, L], generated tokens' weights [B, G], teacher ids, probs)."""
-  tokens, lengths = served.tokens, served.lengths
-  t_ids, t_probs = served.teacher_ids, served.teacher_probs
-  weight = (served.is_corrected if cfg.loss_weighting == "corrected"
-            else jnp.ones_like(served.is_corrected))
-  if cfg.sample_source != "served":
-    source_rng, gen_rng = jax.random.split(rng)
-    mix = cfg.source_mix if cfg.sample_source == "mixed_token" else 0.0
-    s_tokens, s_lengths, s_ids, s_probs = samples.student_generate(
-        target_params, draft_params, prompts, lens, gen_rng, target_config=tcfg,
-        draft_config=dcfg, sampling=cfg.sampling,
-        max_new_tokens=cfg.max_new_tokens, teacher_mix=mix,
-        teacher_k=cfg.teacher_k)
-    # No verification happened on these tokens: every position is weighted.
-    is_student = jnp.ones(lengths.shape, bool)
-    if cfg.sample_source == "mixed_request":
-      is_student = jax.random.uniform(source_rng, lengths.shape) >= cfg.source_mix
-    pick = lambda s, t: jnp.where(
-        is_student.reshape((-1,) + (1,) * (s.ndim - 1)), s, t)
-    tokens, lengths = pick(s_tokens, tokens), pick(s_lengths, lengths)
-    t_ids, t_probs = pick(s_ids, t_ids), pick(s_probs, t_probs)
-    weight = pick(jnp.ones_like(weight), weight)
-  gen = jnp.arange(cfg.max_new_tokens)
-  weight = (weight & (gen < lengths[:, None])).astype(jnp.float32)
+def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1,
+           slot_1, route_1, key_1, sampling_1: RowSampling, *, target_config,
+           drafter, cfg: OnlineConfig):
+  """One device: a new request into local slot `slot` (none when slot < 0).
+
+  `sampling_1` is the request's own sampling, used when cfg.sampling is None.
+  """
+  drafter = multi(drafter, cfg)
+  slot_cfg = cfg.slots(target_config, drafter, state.slots.done.shape[0])
+  target_params = llama.for_decoding(target_params, target_config)
+  draft_params = drafter.prepare(state.draft_params, target_params)
+  slot = jnp.maximum(slot_1[0], 0)
+
+  def admit(state):
+    slots, hidden = slot_lib.insert_into(
+        target_params, draft_params, state.slots, prompt_1xP, prompt_len_1[0],
+        budget_1[0], slot, key_1[0], route_1[0], sampling_1, cfg=slot_cfg)
+    records = state.records
+    if cfg.learn:
+      records = records.with_prompt(slot, hidden)
+    return state.replace(slots=slots, records=records)
+
+  return jax.lax.cond(slot_1[0] >= 0, admit, lambda s: s, state)
+
+
+def _student_rows(target_params, draft_params, state: OnlineState, rows, rng,
+                  target_config, drafter, cfg: OnlineConfig):
+  """Rows whose tokens the draft wrote (sample_source draft or mixed)."""
+  tokens, gen_start, weight, ids, probs, hidden = rows
+  base = objectives.learnable(drafter.base)
+  width = cfg.sample_len - cfg.max_new_tokens
+  prompts = tokens[:, :width]
+  lens = state.slots.prompt_lens
+  source_rng, gen_rng = jax.random.split(rng)
+  mix = cfg.source_mix if cfg.sample_source == "mixed_token" else 0.0
+  # The first draft stands in for all when there are several.
+  s_tokens, s_lengths, s_ids, s_probs = samples.student_generate(
+      target_params, draft_params[0], prompts, lens, gen_rng,
+      target_config=target_config, draft_config=base.config, sampling=cfg.sampling,
+      max_new_tokens=cfg.max_new_tokens, teacher_mix=mix, teacher_k=cfg.teacher_k)
+  is_student = jnp.ones(lens.shape, bool)
+  if cfg.sample_source == "mixed_request":
+    is_student = jax.random.uniform(source_rng, lens.shape) >= cfg.source_mix
+  pick = lambda s, t: jnp.where(is_student.reshape((-1,) + (1,) * (s.ndim - 1)), s, t)
   full = jnp.pad(prompts, ((0, 0), (0, cfg.max_new_tokens)))
-
-  def place(row, generated, start):
-    return jax.lax.dynamic_update_slice(row, generated, (start,))
-
-  full = jax.vmap(place)(full, tokens, lens)
-  return full, weight, t_ids, t_probs
-
-
-def _distill(target_params, params, opt_state, buffer: Buffer, tcfg, dcfg,
-             cfg: OnlineConfig, axis_name):
-  """One optimizer step on the buffer; (params, opt_state, loss, applied).
-
-  Devices hold different amounts of loss weight (EOS, corrections, pad
-  rows), so weighted sums and total weight are summed over devices before
-  dividing: the update equals a single device's on the whole batch.
-  """
-  optimizer = update.make_optimizer(cfg.distill)
-  p = update.teacher_probs(target_params, tcfg, buffer)
-  (loss_sum, total), grads = jax.value_and_grad(
-      update.weighted_loss_sum, has_aux=True)(params, dcfg, buffer, p,
-                                               cfg.distill)
-  if axis_name is not None:
-    loss_sum, total, grads = jax.lax.psum((loss_sum, total, grads), axis_name)
-  scale = 1.0 / jnp.maximum(total, 1.0)
-  grads = jax.tree.map(lambda g: g * scale, grads)
-  loss = loss_sum * scale
-  params, opt_state, applied = update.apply_update(params, opt_state, grads,
-                                                   loss, optimizer)
-  return params, opt_state, loss, applied
+  full = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(
+      row, new, (start,)))(full, s_tokens, lens)
+  # No verification happened on these tokens: every position is weighted.
+  s_weight = (jnp.arange(cfg.max_new_tokens) < s_lengths[:, None]).astype(jnp.float32)
+  return (pick(full, tokens), gen_start, pick(s_weight, weight), pick(s_ids, ids),
+          pick(s_probs, probs), hidden)
 
 
-def serve_and_learn(target_params, state: OnlineState, prompts_BxP, lens_B,
-                    is_real_B, draft_index, *, target_config: LlamaConfig,
-                    draft_config: LlamaConfig, cfg: OnlineConfig,
-                    axis_name: str | None = None) -> tuple[OnlineState, StepOutput]:
-  """One batch on one device (inside shard_map when axis_name is set).
+def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
+           drafter, cfg: OnlineConfig, axis_name):
+  """Buffers every finished request with its draft; updates drafts whose turn it is."""
+  slots = state.slots
+  corrected_only = cfg.loss_weighting == "corrected"
+  rows = record_samples(state.records, slots, max_len=cfg.sample_len,
+                        gen_len=cfg.max_new_tokens, corrected_only=corrected_only)
+  if cfg.sample_source != "served":
+    rows = jax.lax.cond(
+        finished.any(),
+        lambda: _student_rows(target_params, drafter.prepare(state.draft_params),
+                              state, rows, rng, target_config, drafter, cfg),
+        lambda: rows)
+  tokens, gen_start, weight, ids, probs, hidden = rows
+  fits = slots.prompt_lens + slots.num_generated <= cfg.sample_len
+  params, opt_state, buffer = state.draft_params, state.opt_state, state.buffer
+  since, updates, skipped, last = (state.since_update, state.num_updates,
+                                   state.num_skipped, state.last_loss)
+  did, losses, skips = [], [], []
+  learner = objectives.learnable(drafter.base)
+  for d in range(cfg.num_drafts):
+    take = lambda tree, d=d: jax.tree.map(lambda x: x[d], tree)
+    is_new = finished & fits & (slots.route == d)
+    buf = take(jax.tree.map(lambda x: x[0], buffer)).add(
+        tokens, gen_start, weight, ids, probs, slots.route, is_new, hidden)
+    new = is_new.sum().astype(jnp.int32)
+    if axis_name is not None:
+      new = jax.lax.psum(new, axis_name)
+    count = since[d] + new
+    do = count >= cfg.update_interval
 
-  Rows with is_real False pad the last batch: served, but neither buffered
-  nor counted towards the update interval.
-  """
-  pick = lambda tree: jax.tree.map(lambda x: x[draft_index], tree)
-  params, opt_state = pick(state.draft_params), pick(state.opt_state)
-  buffer = pick(jax.tree.map(lambda x: x[0], state.buffer))
-  rng, serve_rng, sample_rng = jax.random.split(state.rng[0], 3)
+    def learn(operand):
+      p, o, buf = operand
+      p, o, loss, bad = objectives.distill(
+          learner, target_params, target_config, p, o, buf, cfg.distill,
+          steps=cfg.update_steps, axis_name=axis_name)
+      if cfg.clear_after_update:
+        buf = buf.cleared()
+      return p, o, buf, loss, bad
 
-  served = serve_batch(target_params, params, prompts_BxP, lens_B, serve_rng,
-                       target_config=target_config, draft_config=draft_config,
-                       k=cfg.k, sampling=cfg.sampling,
-                       max_new_tokens=cfg.max_new_tokens,
-                       teacher_k=cfg.teacher_k)
-  rows = _training_rows(target_params, params, prompts_BxP, lens_B, served,
-                        sample_rng, target_config, draft_config, cfg)
-  buffer = buffer.add(rows[0], lens_B - 1, *rows[1:],
-                      jnp.full(lens_B.shape, draft_index), is_real_B)
-  new_requests = is_real_B.sum().astype(jnp.int32)
-  if axis_name is not None:
-    new_requests = jax.lax.psum(new_requests, axis_name)
-  since = state.since_update[draft_index] + new_requests
-  do_update = since >= cfg.update_interval
+    def wait(operand):
+      p, o, buf = operand
+      return p, o, buf, jnp.float32(jnp.nan), jnp.int32(0)
 
-  def learn(operand):
-    params, opt_state, buffer = operand
-    params, opt_state, loss, applied = _distill(
-        target_params, params, opt_state, buffer, target_config, draft_config,
-        cfg, axis_name)
-    if cfg.clear_after_update:
-      buffer = buffer.cleared()
-    return params, opt_state, buffer, loss, applied
+    p, o, buf, loss, bad = jax.lax.cond(do, learn, wait,
+                                        (take(params), take(opt_state), buf))
+    put = lambda tree, new, d=d: jax.tree.map(lambda x, n: x.at[d].set(n), tree, new)
+    params, opt_state = put(params, p), put(opt_state, o)
+    buffer = jax.tree.map(lambda x, n, d=d: x.at[0, d].set(n), buffer, buf)
+    # The surplus carries over: in the long run, one update per I requests.
+    since = since.at[d].set(jnp.where(do, count - cfg.update_interval, count))
+    updates = updates.at[d].add(do.astype(jnp.int32))
+    skipped = skipped.at[d].add(bad)
+    last = last.at[d].set(jnp.where(do, loss, last[d]))
+    did.append(do)
+    losses.append(loss)
+    skips.append(bad)
+  state = state.replace(draft_params=params, opt_state=opt_state, buffer=buffer,
+                        since_update=since, num_updates=updates,
+                        num_skipped=skipped, last_loss=last)
+  return state, StepOutput(jnp.stack(did), jnp.stack(losses), jnp.stack(skips))
 
-  def wait(operand):
-    params, opt_state, buffer = operand
-    return params, opt_state, buffer, jnp.float32(jnp.nan), jnp.bool_(False)
 
-  params, opt_state, buffer, loss, applied = jax.lax.cond(
-      do_update, learn, wait, (params, opt_state, buffer))
-  put = lambda tree, new: jax.tree.map(
-      lambda x, n: x.at[draft_index].set(n), tree, new)
-  state = OnlineState(
-      draft_params=put(state.draft_params, params),
-      opt_state=put(state.opt_state, opt_state),
-      buffer=jax.tree.map(lambda x, n: x.at[0, draft_index].set(n),
-                          state.buffer, buffer),
-      rng=rng[None],
-      since_update=state.since_update.at[draft_index].set(
-          jnp.where(do_update, 0, since)),
-      num_updates=state.num_updates.at[draft_index].add(do_update.astype(jnp.int32)),
-      num_skipped=state.num_skipped.at[draft_index].add(
-          (do_update & ~applied).astype(jnp.int32)))
-  metrics = served.metrics
-  if axis_name is not None:  # per-position counts: one total for the batch
-    metrics = metrics.replace(
-        reached_by_position=jax.lax.psum(metrics.reached_by_position, axis_name),
-        accepted_by_position=jax.lax.psum(metrics.accepted_by_position, axis_name))
-  out = StepOutput(served.tokens, served.lengths, metrics, do_update, loss,
-                   applied)
-  return state, out
+def serve_and_learn(target_params, state: OnlineState, *, target_config, drafter,
+                    cfg: OnlineConfig, steps: int, window: int,
+                    axis_name: str | None = None):
+  """One device's call: decode its slots, then buffer and learn (shard_map body)."""
+  drafter = multi(drafter, cfg)
+  target_params = llama.for_decoding(target_params, target_config)
+  draft_params = drafter.prepare(state.draft_params, target_params)
+  was_done = state.slots.done
+  corrected_only = cfg.loss_weighting == "corrected"
+
+  def step(slots, records):
+    slots, result = speculative.speculate_and_verify(
+        target_params, draft_params, slots, target_config=target_config,
+        drafter=drafter, k=cfg.k, sampling=cfg.sampling, window=window)
+    if cfg.learn:
+      records = records.record(result, corrected_only=corrected_only)
+    return slots, records
+
+  slots, records = slot_lib.decode_loop(step, state.slots, state.records, steps)
+  state = state.replace(slots=slots, records=records)
+  nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool),
+                       jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32),
+                       jnp.zeros((cfg.num_drafts,), jnp.int32))
+  if not cfg.learn:
+    return state, nothing
+  rng, learn_rng = jax.random.split(state.rng[0])
+  state = state.replace(rng=rng[None])
+  return _learn(target_params, state, slots.done & ~was_done, learn_rng,
+                target_config=target_config, drafter=drafter, cfg=cfg,
+                axis_name=axis_name)
+
+
+_STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
+                           P(), P())
+
+
+class Step:
+  """The two compiled programs for one (mesh, models, settings); memoised."""
+
+  def __init__(self, mesh, *, target_config, drafter, cfg: OnlineConfig):
+    self.mesh, self.cfg = mesh, cfg
+    self.statics = dict(target_config=target_config, drafter=drafter, cfg=cfg)
+    row = P(AXIS)
+    self.insert = jax.jit(jax.shard_map(
+        functools.partial(insert, **self.statics), mesh=mesh,
+        in_specs=(P(), _STATE_SPECS, row, row, row, row, row, row, row),
+        out_specs=_STATE_SPECS, check_vma=False), donate_argnums=(1,))
+    self._serve = {}
+
+  def serve(self, target_params, state: OnlineState, *, steps: int, window: int):
+    """Up to `steps` speculative steps over every slot; one program per window."""
+    if (steps, window) not in self._serve:
+      body = functools.partial(serve_and_learn, **self.statics, steps=steps,
+                               window=window, axis_name=AXIS)
+      self._serve[steps, window] = jax.jit(jax.shard_map(
+          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS),
+          out_specs=(_STATE_SPECS, StepOutput(P(), P(), P())), check_vma=False),
+          donate_argnums=(1,))
+    return self._serve[steps, window](target_params, state)
 
 
 @functools.lru_cache(maxsize=16)
-def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig,
-              draft_config: LlamaConfig, cfg: OnlineConfig):
-  """The jitted, shard_mapped step: (target_params, state, prompts, lens, is_real, d).
-
-  Memoised on its (hashable) arguments, so every stream served with the same
-  settings reuses one compiled program.
-  """
-  step = functools.partial(serve_and_learn, target_config=target_config,
-                           draft_config=draft_config, cfg=cfg, axis_name=AXIS)
-  state_specs = OnlineState(P(), P(), P(AXIS), P(AXIS), P(), P(), P())
-  row = P(AXIS)
-  metric_specs = speculative.Metrics(row, row, row, row, row, row, P(), P())
-  out_specs = StepOutput(row, row, metric_specs, P(), P(), P())
-  sharded = jax.shard_map(
-      step, mesh=mesh,
-      in_specs=(P(), state_specs, P(AXIS), P(AXIS), P(AXIS), P()),
-      out_specs=(state_specs, out_specs), check_vma=False)
-  return jax.jit(sharded, donate_argnums=(1,))
+def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig, drafter,
+              cfg: OnlineConfig) -> Step:
+  """The compiled insert and serve programs, shared by every stream with these settings."""
+  return Step(mesh, target_config=target_config, drafter=drafter, cfg=cfg)
 
 
 def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
@@ -255,10 +338,17 @@ def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
 
 
 def place_state(state: OnlineState, mesh: jax.sharding.Mesh) -> OnlineState:
-  """Drafts and counters replicated; buffers and rng split across devices."""
+  """Drafts and counters replicated; slots, records, buffers and rng split.
+
+  Zero-size leaves (no hidden states kept) are replicated: that is how the
+  compiled programs return them, and a state placed otherwise would compile
+  every program a second time, once for each placement.
+  """
   rep = lambda t: distributed.replicate(t, mesh)
-  split = lambda t: distributed.shard_leading(t, mesh, AXIS)
+  split = lambda t: jax.tree.map(
+      lambda x: distributed.shard_leading(x, mesh, AXIS) if x.size else rep(x), t)
   return OnlineState(rep(state.draft_params), rep(state.opt_state),
-                     split(state.buffer), split(state.rng),
-                     rep(state.since_update), rep(state.num_updates),
-                     rep(state.num_skipped))
+                     split(state.buffer), split(state.slots), split(state.records),
+                     split(state.rng), rep(state.since_update),
+                     rep(state.num_updates), rep(state.num_skipped),
+                     rep(state.last_loss))

@@ -1,10 +1,12 @@
-"""Per-request records to JSONL, TensorBoard and a progress line; rolling alpha."""
+"""Per-request records to JSONL, TensorBoard and a progress bar; rolling alpha and speed."""
 
 import json
 import os
 import time
 
 import numpy as np
+
+from osd_jax import progress
 
 
 def rolling_mean(values, window: int) -> np.ndarray:
@@ -19,12 +21,12 @@ def rolling_mean(values, window: int) -> np.ndarray:
 
 
 class Reporter:
-  """Writes every record; prints progress every `every` requests."""
+  """Writes every record; shows a progress bar with rolling alpha and tokens/s."""
 
-  def __init__(self, output_dir: str, name: str, *, window: int = 64,
-               every: int = 16, tensorboard: bool = True, append: bool = False):
+  def __init__(self, output_dir: str, name: str, *, total: int, window: int = 64,
+               tensorboard: bool = True, append: bool = False):
     os.makedirs(output_dir, exist_ok=True)
-    self.name, self.window, self.every = name, window, every
+    self.name, self.window = name, window
     self.jsonl = open(os.path.join(output_dir, f"{name}.jsonl"),
                       "a" if append else "w")
     self.writer = None
@@ -32,13 +34,15 @@ class Reporter:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard", name))
     self.alphas, self.tokens, self.losses = [], 0, []
-    self.skipped = 0
+    self.errors = 0
     self.start = time.perf_counter()
+    self.bar = progress.bar(total, f"[{name}]", "requests", delay=0.0)
 
   def __call__(self, record: dict) -> None:
     self.jsonl.write(json.dumps(record) + "\n")
-    if record.get("skipped"):
-      self.skipped += 1
+    self.bar.update(1)
+    if record.get("error"):
+      self.errors += 1
       return
     self.alphas.append(record["alpha"])
     self.tokens += record["new_tokens"]
@@ -46,28 +50,85 @@ class Reporter:
     if record.get("loss") is not None:
       self.losses.append(record["loss"])
     if self.writer is not None:
-      self.writer.add_scalar("alpha", record["alpha"], n)
-      self.writer.add_scalar("acceptance_rate", record["acceptance_rate"], n)
-      self.writer.add_scalar("tokens_per_target_call",
-                             record["tokens_per_target_call"], n)
+      for key in ("alpha", "acceptance_rate", "tokens_per_target_call"):
+        self.writer.add_scalar(key, record[key], n)
       if record.get("loss") is not None:
         self.writer.add_scalar("loss", record["loss"], n)
-    if n % self.every == 0:
-      seconds = time.perf_counter() - self.start
-      rolling = np.mean(self.alphas[-self.window:])
-      loss = f", loss {self.losses[-1]:.3f}" if self.losses else ""
-      print(f"[{self.name}] {n} requests, rolling alpha {rolling:.3f},"
-            f" {self.tokens / seconds:.1f} tokens/s{loss}", flush=True)
+    seconds = time.perf_counter() - self.start
+    status = dict(alpha=f"{np.mean(self.alphas[-self.window:]):.3f}",
+                  tok_s=f"{self.tokens / seconds:.1f}")
+    if self.losses:
+      status["loss"] = f"{self.losses[-1]:.3f}"
+    self.bar.set_postfix(status, refresh=False)
 
   def close(self) -> None:
+    self.bar.close()
     self.jsonl.close()
     if self.writer is not None:
       self.writer.close()
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """Served (not skipped) records of a run, in serving order."""
+  """Served (not refused) records of a run, in the order they finished."""
   with open(path) as f:
     records = [json.loads(line) for line in f if line.strip()]
-  return sorted((r for r in records if not r.get("skipped")),
+  return sorted((r for r in records if not r.get("error")),
                 key=lambda r: r["served"])
+
+
+def tokens_per_second(records: list[dict], before: float = 0.0) -> float:
+  """New tokens of `records` over the wall time from `before` to the last finish."""
+  if not records:
+    return float("nan")
+  span = max(r["finished_s"] for r in records) - before
+  return sum(r["new_tokens"] for r in records) / span if span > 0 else float("nan")
+
+
+def segments(records: list[dict]) -> list[tuple[str, list[dict]]]:
+  """Consecutive runs of one domain in stream order: [(domain, records)]."""
+  out = []
+  for r in sorted(records, key=lambda r: r["request"]):
+    if not out or out[-1][0] != r["domain"]:
+      out.append((r["domain"], []))
+    out[-1][1].append(r)
+  return out
+
+
+def speed_summary(records: list[dict], *, tail: int) -> dict:
+  """Per segment and over the last `tail` requests: alpha, tokens per call, tokens/s.
+
+  A segment's tokens/s is its tokens over the time from the previous
+  segment's last finish to its own: with continuous batching, requests of
+  neighbouring segments share calls, so the boundaries are approximate.
+  """
+  mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else float("nan")
+  out, before = {"segments": []}, 0.0
+  for domain, part in segments(records):
+    last = part[-tail:]
+    out["segments"].append({
+        "domain": domain, "requests": len(part),
+        "alpha_first": mean("alpha", part[:tail]), "alpha_last": mean("alpha", last),
+        "tokens_per_call_last": mean("tokens_per_target_call", last),
+        "tokens_per_s": tokens_per_second(part, before)})
+    before = max(r["finished_s"] for r in part)
+  by_finish = sorted(records, key=lambda r: r["finished_s"])
+  window = by_finish[-tail:]
+  start = by_finish[-tail - 1]["finished_s"] if len(by_finish) > tail else 0.0
+  out["last"] = {"requests": len(window), "alpha": mean("alpha", window),
+                 "tokens_per_call": mean("tokens_per_target_call", window),
+                 "tokens_per_s": tokens_per_second(window, start)}
+  out["tokens_per_s"] = tokens_per_second(records)
+  out["latency"] = latency_percentiles(records)
+  return out
+
+
+def latency_percentiles(records: list[dict]) -> dict:
+  """P50 and P99 of queue wait, time to first token and inter-token latency (ms)."""
+  out = {}
+  for key in ("queue_s", "ttft_s", "itl_s"):
+    values = [r[key] for r in records if r.get(key) is not None]
+    if values:
+      name = key[:-2]
+      out[f"{name}_p50_ms"] = float(np.percentile(values, 50) * 1e3)
+      out[f"{name}_p99_ms"] = float(np.percentile(values, 99) * 1e3)
+  return out

@@ -1,0 +1,171 @@
+"""The one interface every draft implements, and what it sees of the sequence.
+
+A drafter is a frozen (hashable) dataclass: `speculate_and_verify` takes it
+as static configuration and never asks which kind it holds. Its parameters
+and state are pytrees passed in and returned. Per row, between steps:
+
+- the target cache holds the committed tokens c_0..c_{m-1};
+- c_m, the last emitted token, is in `Context.tokens` but not yet cached;
+- `propose` drafts x_1..x_k to follow c_m, with the logits they came from;
+- after verification `commit` learns which tokens were kept (and, for drafts
+  that read them, the target's hidden states at positions m..m+k).
+"""
+
+import dataclasses
+from typing import Any, Protocol
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from osd_jax.decoding.sampling import Sampling
+
+# A one-hot "distribution" as logits: exp(MASKED - 0) is exactly 0 in float32,
+# and the value stays finite, so no log or temperature ever makes a NaN.
+_OFF = -1e9
+
+
+@flax.struct.dataclass
+class Context:
+  """The committed sequence of every row."""
+
+  tokens: jax.Array  # [B, S] c_0..c_m in positions 0..m; later ones are stale
+  lengths: jax.Array  # [B] m: tokens the target has cached
+  route: jax.Array  # [B] which draft serves the row (one per category)
+
+  @property
+  def last_token(self) -> jax.Array:
+    """c_m per row: emitted, not yet cached."""
+    return jnp.take_along_axis(self.tokens, self.lengths[:, None], axis=1)[:, 0]
+
+
+@flax.struct.dataclass
+class Proposal:
+  """k drafted tokens per row and the logits they were drawn from."""
+
+  tokens: jax.Array  # [B, k]
+  logits: jax.Array  # [B, k, V] full vocabulary; one-hot rows for fixed picks
+  num_proposed: jax.Array  # [B] how many of the k count (0: no draft this step)
+
+
+@flax.struct.dataclass
+class Verified:
+  """What one verification pass saw, per row."""
+
+  hidden: jax.Array  # [B, k+1, D] target's final hidden states at m..m+k
+  emitted: jax.Array  # [B, k+1] c_{m+1}.. : accepted drafts, then y
+  kept: jax.Array  # [B] tokens appended (0 for finished rows)
+  start: jax.Array  # [B] m before the step
+
+
+@flax.struct.dataclass
+class Forced:
+  """Tokens a wrapper (the hybrid) makes a drafter propose instead of its own."""
+
+  tokens: jax.Array  # [B, k]
+  is_forced: jax.Array  # [B] rows whose proposal is replaced
+
+
+class Drafter(Protocol):
+  """What speculate_and_verify needs from a draft of any kind."""
+
+  needs_hidden: bool  # reads the target's hidden states (buffers keep them)
+
+  def prepare(self, params, target_params=None):
+    """Parameters in the layout decoding runs fastest in, bound to any target
+    weights the draft shares (once per compiled program, outside loops).
+    Every other method takes the prepared parameters."""
+
+  def init_state(self, batch_size: int, cache_size: int) -> Any:
+    """Empty per-row state (e.g. a KV cache) for `batch_size` rows."""
+
+  def prefill(self, params, state, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
+              hidden_BxPxD: jax.Array | None) -> Any:
+    """State after the prompts; `hidden` is the target's at positions < len - 1."""
+
+  def propose(self, params, state, ctx: Context, rng_B: jax.Array, k: int,
+              sampling: Sampling, window: int | None,
+              forced: Forced | None = None) -> tuple[Proposal, Any]:
+    """k tokens to follow each row's last token, drawn with per-row keys."""
+
+  def commit(self, params, state, verified: Verified,
+             window: int | None) -> Any:
+    """State after verification kept `verified.kept` tokens per row."""
+
+  def insert_row(self, state, row: jax.Array, one) -> Any:
+    """`state` with row `row` replaced by a one-row state (a new request)."""
+
+
+@dataclasses.dataclass
+class Draft:
+  """A drafter with its parameters and where they came from (host side)."""
+
+  drafter: Drafter
+  params: Any
+  source: str
+
+
+def one_hot_logits(tokens_BxK: jax.Array, vocab_size: int) -> jax.Array:
+  """Logits whose softmax, at any temperature or filter, is one-hot at the token."""
+  hot = jax.nn.one_hot(tokens_BxK, vocab_size, dtype=jnp.bool_)
+  return jnp.where(hot, 0.0, _OFF).astype(jnp.float32)
+
+
+def token_picker(rng_B: jax.Array, k: int, sampling, forced: Forced | None):
+  """pick(i, logits [B, V]) -> the i-th drafted token of each row.
+
+  Row b draws with its own key for step i, unless a wrapper forces its pick
+  (an autoregressive draft must be fed what will really be proposed).
+  """
+  keys = jax.vmap(lambda key: jax.random.split(key, k))(rng_B)  # [B, k]
+
+  def pick(i, logits_BxV):
+    token = sampling.sample(keys[:, i], logits_BxV)
+    if forced is not None:
+      token = jnp.where(forced.is_forced, forced.tokens[:, i], token)
+    return token
+
+  return pick
+
+
+def apply_forced(proposal: Proposal, forced: Forced | None,
+                 vocab_size: int) -> Proposal:
+  """The proposal with forced rows replaced by their one-hot picks."""
+  if forced is None:
+    return proposal
+  row = forced.is_forced[:, None]
+  return proposal.replace(
+      tokens=jnp.where(row, forced.tokens, proposal.tokens),
+      logits=jnp.where(row[..., None], one_hot_logits(forced.tokens, vocab_size),
+                       proposal.logits))
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDraft:
+  """k = 0: every step is one target call on the last token (target-only decoding)."""
+
+  vocab_size: int
+  needs_hidden: bool = False
+
+  def prepare(self, params, target_params=None):
+    return params
+
+  def init_state(self, batch_size, cache_size):
+    return ()
+
+  def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+    return state
+
+  def propose(self, params, state, ctx, rng_B, k, sampling, window, forced=None):
+    if k:
+      raise ValueError("NoDraft proposes nothing: use k = 0.")
+    b = ctx.lengths.shape[0]
+    return Proposal(jnp.zeros((b, 0), jnp.int32),
+                    jnp.zeros((b, 0, self.vocab_size), jnp.float32),
+                    jnp.zeros((b,), jnp.int32)), state
+
+  def commit(self, params, state, verified, window):
+    return state
+
+  def insert_row(self, state, row, one):
+    return state

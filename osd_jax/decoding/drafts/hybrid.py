@@ -1,0 +1,45 @@
+"""A learned draft that proposes the n-gram continuation whenever the context has a match.
+
+Code and SQL answers copy names from their prompts; where lookup finds
+nothing the learned draft proposes instead. The base drafter is fed the
+chosen tokens, so its cache always holds what was proposed.
+"""
+
+import dataclasses
+from typing import Any
+
+from osd_jax.decoding.drafts.base import Context, Forced
+from osd_jax.decoding.drafts.ngram import NGramDraft
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDraft:
+  """n-gram rows where lookup matches, `base` rows elsewhere (per row, per step)."""
+
+  base: Any  # a Drafter with parameters
+  ngram: NGramDraft
+
+  @property
+  def needs_hidden(self) -> bool:
+    return self.base.needs_hidden
+
+  def prepare(self, params, target_params=None):
+    return self.base.prepare(params, target_params)
+
+  def init_state(self, batch_size, cache_size):
+    return self.base.init_state(batch_size, cache_size)
+
+  def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD=None):
+    return self.base.prefill(params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD)
+
+  def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
+              forced=None):
+    tokens, found = self.ngram.lookup(ctx, k)
+    return self.base.propose(params, state, ctx, rng_B, k, sampling, window,
+                             forced=Forced(tokens, found))
+
+  def commit(self, params, state, verified, window):
+    return self.base.commit(params, state, verified, window)
+
+  def insert_row(self, state, row, one):
+    return self.base.insert_row(state, row, one)

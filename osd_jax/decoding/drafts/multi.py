@@ -1,0 +1,67 @@
+"""One draft per category: every draft runs on every slot, each slot keeps its own's.
+
+Slots of different categories share one compiled call. Each draft keeps a
+state for every row and proposes for every row; a row takes the proposal
+of the draft its request is routed to (`Context.route`). A step therefore
+costs `num` draft steps: the price of sharing slots across categories
+without a per-row gather of weights (which would read them once per row).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from osd_jax.decoding.drafts.base import Context
+
+
+def _select(route_B: jax.Array, trees: list):
+  """Per row b, the leaf of trees[route[b]] (leaves have a leading row axis)."""
+  def pick(*leaves):
+    out = leaves[0]
+    for d, leaf in enumerate(leaves[1:], start=1):
+      mask = (route_B == d).reshape((-1,) + (1,) * (leaf.ndim - 1))
+      out = jnp.where(mask, leaf, out)
+    return out
+  return jax.tree.map(pick, *trees)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiDraft:
+  """`num` copies of a drafter; parameters stacked on a leading draft axis."""
+
+  base: Any
+  num: int = 1
+
+  @property
+  def needs_hidden(self) -> bool:
+    return self.base.needs_hidden
+
+  def _each(self, params) -> list:
+    return [jax.tree.map(lambda x, d=d: x[d], params) for d in range(self.num)]
+
+  def prepare(self, params, target_params=None):
+    return tuple(self.base.prepare(p, target_params) for p in self._each(params))
+
+  def init_state(self, batch_size, cache_size):
+    return tuple(self.base.init_state(batch_size, cache_size)
+                 for _ in range(self.num))
+
+  def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD=None):
+    return tuple(self.base.prefill(p, s, prompts_BxP, prompt_lens_B, hidden_BxPxD)
+                 for p, s in zip(params, state))
+
+  def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
+              forced=None):
+    outs = [self.base.propose(p, s, ctx, rng_B, k, sampling, window, forced)
+            for p, s in zip(params, state)]
+    proposal = _select(ctx.route, [o[0] for o in outs])
+    return proposal, tuple(o[1] for o in outs)
+
+  def commit(self, params, state, verified, window):
+    return tuple(self.base.commit(p, s, verified, window)
+                 for p, s in zip(params, state))
+
+  def insert_row(self, state, row, one):
+    return tuple(self.base.insert_row(s, row, o) for s, o in zip(state, one))

@@ -1,0 +1,143 @@
+"""The slot engine's compiled verbs: insert a request into a slot, generate, free.
+
+JetStream's shape, over a donated `SpecState` of fixed shape: every slot
+row is an independent request. `insert` prefills one prompt (padded to a
+bucket) straight into a slot; `generate` runs a bounded number of
+speculative steps over all slots; the host refills finished slots between
+calls, so no row waits for the slowest one.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from osd_jax.decoding import speculative
+from osd_jax.decoding.sampling import RowSampling, Sampling
+from osd_jax.decoding.speculative import SpecState
+from osd_jax.models import llama
+from osd_jax.models.config import LlamaConfig
+
+# Prompt widths and attention windows are rounded up to one of these, capped
+# at the cache size: one compiled program per bucket in use.
+BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def bucket(size: int, cap: int) -> int:
+  """The smallest bucket >= size, or `cap` (the cache size) beyond them."""
+  for b in BUCKETS:
+    if b >= size:
+      return min(b, cap)
+  return cap
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotConfig:
+  """What every slot program shares (hashable: a jit static argument)."""
+
+  target_config: LlamaConfig
+  drafter: object  # a decoding.drafts Drafter
+  k: int
+  sampling: Sampling | None  # None: each request brings its own (RowSampling)
+  num_slots: int
+  cache_size: int  # positions per slot: prompt + new tokens + k must fit
+
+  def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
+    """Whether a request can be served in one slot.
+
+    The last step of a row starts at m <= prompt + new - 2 and writes k + 1
+    positions into the cache and k + 1 tokens after c_m.
+    """
+    return 1 <= prompt_len and prompt_len + max_new_tokens + self.k <= self.cache_size
+
+  def window(self, longest: int, steps: int) -> int:
+    """Attention window for `steps` steps when the longest active row holds `longest`."""
+    return bucket(longest + steps * (self.k + 1), self.cache_size)
+
+
+def init(cfg: SlotConfig) -> SpecState:
+  """All slots empty (done)."""
+  return speculative.empty_state(cfg.target_config, cfg.drafter,
+                                 batch_size=cfg.num_slots,
+                                 cache_size=cfg.cache_size, k=cfg.k)
+
+
+def insert_into(target_params, draft_params, state: SpecState, prompt_1xP,
+                prompt_len, budget, slot, key, route=0,
+                sampling: RowSampling | None = None, *, cfg: SlotConfig):
+  """`state` with `slot` holding a freshly prefilled request; also its prompt hidden.
+
+  Nothing of the slot's previous request survives: caches, tokens, counters,
+  metrics and sampling settings are all overwritten (stale cache positions
+  lie past the new length and are never read). `sampling` (one row) is the
+  request's own, read when cfg.sampling is None.
+  """
+  width = prompt_1xP.shape[1]
+  one, hidden = speculative.start(
+      target_params, draft_params, prompt_1xP, prompt_len[None], budget[None],
+      key[None], target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
+      cache_size=width, sampling=sampling)
+  row = jnp.zeros((cfg.cache_size,), jnp.int32).at[:width].set(prompt_1xP[0])
+  state = state.replace(
+      target_cache=state.target_cache.insert_row(slot, one.target_cache),
+      draft=cfg.drafter.insert_row(state.draft, slot, one.draft),
+      tokens=state.tokens.at[slot].set(row),
+      prompt_lens=state.prompt_lens.at[slot].set(prompt_len),
+      budget=state.budget.at[slot].set(budget),
+      done=state.done.at[slot].set(one.done[0]),
+      rng=state.rng.at[slot].set(key),
+      metrics=state.metrics.reset_row(slot),
+      route=state.route.at[slot].set(route),
+      sampling=jax.tree.map(lambda x, y: x.at[slot].set(y[0]), state.sampling,
+                            one.sampling))
+  return state, hidden
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def insert(target_params, draft_params, state: SpecState, prompt_1xP, prompt_len,
+           budget, slot, key, *, cfg: SlotConfig) -> SpecState:
+  """The insert verb (prefill included); one program per prompt bucket."""
+  return insert_into(target_params, draft_params, state, prompt_1xP, prompt_len,
+                     budget, slot, key, cfg=cfg)[0]
+
+
+def decode_loop(step_fn, state, carry, steps: int):
+  """Up to `steps` calls of step_fn(state, carry) -> (state, carry), stopping early
+  when every slot is done."""
+  def cond(c):
+    i, state, _ = c
+    return (i < steps) & ~jnp.all(state.done)
+
+  def body(c):
+    i, state, carry = c
+    state, carry = step_fn(state, carry)
+    return i + 1, state, carry
+
+  _, state, carry = jax.lax.while_loop(cond, body, (0, state, carry))
+  return state, carry
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "window"),
+                   donate_argnames=("state",))
+def generate(target_params, draft_params, state: SpecState, *, cfg: SlotConfig,
+             steps: int, window: int) -> SpecState:
+  """The generate verb: up to `steps` speculative steps over every slot."""
+  step = functools.partial(
+      speculative.speculate_and_verify, target_params, draft_params,
+      target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
+      sampling=cfg.sampling, window=window)
+  state, _ = decode_loop(lambda s, c: (step(s)[0], c), state, (), steps)
+  return state
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def free(state: SpecState, slot) -> SpecState:
+  """The free verb: the slot stops decoding (its client went away)."""
+  return state.replace(done=state.done.at[slot].set(True))
+
+
+def prepare(target_params, draft_params, cfg: SlotConfig):
+  """Both models in their decoding layout; do it once, not per call."""
+  target_params = llama.for_decoding(target_params, cfg.target_config)
+  return target_params, cfg.drafter.prepare(draft_params, target_params)

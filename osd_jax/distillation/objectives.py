@@ -1,0 +1,142 @@
+"""What each kind of draft minimises on the buffer, and several optimizer steps of it.
+
+A model draft is scored teacher-forced on the stored sequences; a feature
+draft (models/eagle.py) also rolls out on its own predicted features. Both
+return sums (loss, weight), so devices holding different amounts of weight
+combine exactly: psum both, then divide.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from osd_jax.decoding.drafts import FeatureDraft, HybridDraft, ModelDraft
+from osd_jax.distillation import losses, teacher, update
+from osd_jax.distillation.buffer import Buffer
+from osd_jax.models import eagle
+from osd_jax.models.config import LlamaConfig
+
+_OBJECTIVES = {}
+
+
+def register(drafter_type):
+  """Decorator: `fn(drafter, params, target_params, buffer, p, cfg)` learns that kind."""
+  def wrap(fn):
+    _OBJECTIVES[drafter_type] = fn
+    return fn
+  return wrap
+
+
+def learnable(drafter):
+  """The drafter whose parameters learn (a hybrid learns through its base), or None."""
+  if isinstance(drafter, HybridDraft):
+    drafter = drafter.base
+  return drafter if type(drafter) in _OBJECTIVES else None
+
+
+@register(ModelDraft)
+def _model_draft(drafter: ModelDraft, params, target_params, buffer, p, cfg):
+  return update.weighted_loss_sum(params, drafter.config, buffer, p, cfg)
+
+
+@register(FeatureDraft)
+def _feature_draft(drafter: FeatureDraft, params, target_params, buffer, p, cfg):
+  """Every rollout level's divergence at the generated tokens, plus smooth-L1
+  between its predicted features and the target's (EAGLE's regression).
+
+  Level s at position j predicts c_{j+2} as the s-th token of a proposal
+  made after committing j - s + 2 tokens, so it counts only for generated
+  tokens g >= s - 1: a real proposal never starts inside the prompt.
+  """
+  bound = eagle.bind(params, target_params, drafter.config)
+  outputs = eagle.rollout(bound, drafter.config, buffer.tokens, buffer.hidden,
+                          drafter.rollout)
+  n, gen_len = buffer.loss_weight.shape
+  g = jnp.arange(gen_len)
+  at = buffer.gen_start[:, None] + g - 1  # the position whose output predicts g
+  weight = buffer.loss_weight * buffer.is_valid[:, None] * (at >= 0)
+  # Unweighted rows get a harmless uniform teacher (see update.weighted_loss_sum).
+  p = jnp.where((weight > 0)[..., None], jax.lax.stop_gradient(p), 1.0 / p.shape[-1])
+  p = teacher.on_support(p, drafter.config.head_token_ids)  # unless it already is
+  take = lambda x, positions: jnp.take_along_axis(
+      x, jnp.clip(positions, 0, x.shape[1] - 1)[..., None], axis=1)
+  wanted = take(buffer.hidden, at + 1).astype(jnp.float32)
+  divergence = losses.divergence(cfg.loss, cfg.beta)
+  total = count = 0.0
+  for level, out in enumerate(outputs, start=1):
+    feature = take(out, at)
+    p_t, log_q = losses.tempered(p, eagle.head_logits(bound, feature),
+                                 cfg.temperature)
+    regression = optax.huber_loss(feature, wanted).mean(-1)
+    w = weight * (g >= level - 1)
+    total += (w * (divergence(p_t, log_q) + drafter.feature_weight * regression)).sum()
+    count += w.sum()
+  return total, count
+
+
+def support(drafter) -> tuple[int, ...] | None:
+  """The tokens the draft's head scores (None: all)."""
+  learner = learnable(drafter)
+  config = learner.config
+  return config.head_token_ids
+
+
+def loss_sum(drafter, params, target_params, buffer: Buffer, p_NxGxV,
+             cfg: update.DistillConfig):
+  """(weighted divergence sum, total weight) of `drafter` on the buffer."""
+  learner = learnable(drafter)
+  if learner is None:
+    raise ValueError(f"{type(drafter).__name__} has no parameters to learn.")
+  return _OBJECTIVES[type(learner)](learner, params, target_params, buffer,
+                                    p_NxGxV, cfg)
+
+
+# Samples are scored only up to the longest one held, rounded up to one of
+# these: most of a slot-sized sample is padding.
+_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def distill(drafter, target_params, target_config: LlamaConfig, params, opt_state,
+            buffer: Buffer, cfg: update.DistillConfig, *, steps: int = 1,
+            axis_name: str | None = None):
+  """`steps` full-buffer optimizer steps: (params, opt_state, first loss, skipped steps).
+
+  The teacher is built once and reused by every step. Each step skips
+  itself (params and optimizer state untouched) if anything is non-finite.
+  """
+  size = buffer.tokens.shape[1]
+  lengths = [n for n in _LENGTHS if n < size] + [size]
+  need = buffer.needed_length()
+  if axis_name is not None:  # every device must take the same branch
+    need = jax.lax.pmax(need, axis_name)
+  branch = jnp.searchsorted(jnp.asarray(lengths), need)
+  run = lambda n: functools.partial(
+      _distill, drafter, target_params, target_config, buffer=buffer.truncated(n),
+      cfg=cfg, steps=steps, axis_name=axis_name)
+  return jax.lax.switch(branch, [run(n) for n in lengths], params, opt_state)
+
+
+def _distill(drafter, target_params, target_config, params, opt_state, *, buffer,
+             cfg, steps, axis_name):
+  optimizer = update.make_optimizer(cfg)
+  p = update.teacher_probs(target_params, target_config, buffer, support(drafter))
+
+  def one(carry, _):
+    params, opt_state = carry
+    objective = functools.partial(loss_sum, drafter, target_params=target_params,
+                                  buffer=buffer, p_NxGxV=p, cfg=cfg)
+    (total_loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    if axis_name is not None:
+      total_loss, weight, grads = jax.lax.psum((total_loss, weight, grads), axis_name)
+    scale = 1.0 / jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    loss = total_loss * scale
+    params, opt_state, applied = update.apply_update(params, opt_state, grads,
+                                                     loss, optimizer)
+    return (params, opt_state), (loss, applied)
+
+  (params, opt_state), (losses, applied) = jax.lax.scan(
+      one, (params, opt_state), None, length=steps)
+  return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
