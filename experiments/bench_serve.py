@@ -1,0 +1,155 @@
+"""The server under load on loopback: learning on and off, at a few concurrency levels.
+
+  python -m experiments.bench_serve                       # real target, CPU sizes
+  python -m experiments.bench_serve --concurrency=1,8 --requests=8 \
+      --server_flags="--target=/path/to/hf_dir --draft=/path/to/draft"
+
+Starts `experiments.serve` twice (learning on, then --nolearn), each time with
+every program compiled before it listens, and sends the same shifting query
+stream (chat endpoint, streamed, greedy) at each concurrency level: a closed
+loop of that many clients. Reports throughput (generated tokens/s), P50/P99
+time to first token and inter-token latency (per request: the time between
+its first and last token over its tokens - 1), and alpha: the level's mean
+over its requests and the server's rolling alpha when the level ends.
+"""
+
+import asyncio
+import json
+import os
+import shlex
+import tempfile
+import time
+
+from absl import flags
+import numpy as np
+import openai
+
+from experiments import cli
+from experiments.server_process import ServerProcess
+from osd_jax.data import streams
+
+CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "8"], "Clients in flight.")
+REQUESTS = flags.DEFINE_integer("requests", 8, "Requests per concurrency level.")
+MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Tokens per request.")
+DOMAINS = flags.DEFINE_list("domains", ["math", "sql"], "Query domains, in order.")
+SLOTS = flags.DEFINE_integer("slots", 8, "Server decode slots.")
+K = flags.DEFINE_integer("k", 4, "Draft tokens per step.")
+CACHE_SIZE = flags.DEFINE_integer("cache_size", 256, "Positions per slot.")
+UPDATE_INTERVAL = flags.DEFINE_integer("update_interval", 4, "Requests per draft update.")
+SERVER_FLAGS = flags.DEFINE_string(
+    "server_flags", "", "More flags for experiments.serve (e.g. --target, --draft).")
+START_TIMEOUT = flags.DEFINE_integer("start_timeout", 900, "Seconds a server may take"
+                                     " to load and compile.")
+OUTPUT = flags.DEFINE_string("output", None, "Also write the results as JSON here.")
+
+
+async def _request(client, question: str, record: list) -> None:
+  start = time.perf_counter()
+  try:
+    stream = await client.chat.completions.create(
+        model="bench", messages=[{"role": "user", "content": question}],
+        max_tokens=MAX_TOKENS.value, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+  except openai.BadRequestError:  # a prompt too long for --cache_size
+    record.append({"refused": True})
+    return
+  first = last = None
+  usage = None
+  async for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+      last = time.perf_counter()
+      first = first or last
+    if chunk.usage is not None:
+      usage = chunk.usage
+  tokens = usage.completion_tokens
+  record.append({"ttft_s": (first or time.perf_counter()) - start,
+                 "itl_s": ((last - first) / (tokens - 1)) if first and tokens > 1 else 0.0,
+                 "tokens": tokens, "alpha": usage.model_extra["alpha"]})
+
+
+async def _level(url: str, questions: list[str], concurrency: int) -> dict:
+  """The questions through `concurrency` closed-loop clients; latency and speed."""
+  client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                              timeout=600)
+  todo = list(reversed(questions))
+  records: list[dict] = []
+
+  async def worker():
+    while todo:
+      await _request(client, todo.pop(), records)
+
+  start = time.perf_counter()
+  await asyncio.gather(*(worker() for _ in range(concurrency)))
+  seconds = time.perf_counter() - start
+  await client.close()
+  refused = sum(1 for r in records if r.get("refused"))
+  records = [r for r in records if not r.get("refused")]
+  pct = lambda key, q: float(np.percentile([r[key] for r in records], q))
+  return {"concurrency": concurrency, "requests": len(records), "refused": refused,
+          "tokens_per_s": sum(r["tokens"] for r in records) / seconds,
+          "ttft_p50_ms": 1e3 * pct("ttft_s", 50), "ttft_p99_ms": 1e3 * pct("ttft_s", 99),
+          "itl_p50_ms": 1e3 * pct("itl_s", 50), "itl_p99_ms": 1e3 * pct("itl_s", 99),
+          "alpha": float(np.mean([r["alpha"] for r in records]))}
+
+
+def _serve(learn: bool, levels: list[int], questions: list[str], workdir: str) -> list[dict]:
+  name = "on" if learn else "off"
+  server = ServerProcess(
+      ["--served_model_name=bench", f"--slots={SLOTS.value}", f"--k={K.value}",
+       f"--cache_size={CACHE_SIZE.value}", f"--max_tokens={MAX_TOKENS.value}",
+       f"--update_interval={UPDATE_INTERVAL.value}", "--learn" if learn else "--nolearn",
+       f"--compilation_cache={os.path.join(workdir, 'xla')}",
+       *shlex.split(SERVER_FLAGS.value)], os.path.join(workdir, f"server_{name}.log"))
+  try:
+    start = time.perf_counter()
+    server.wait_ready(START_TIMEOUT.value)
+    print(f"[learning {name}] server ready in {time.perf_counter() - start:.0f} s",
+          flush=True)
+    results = []
+    for i, concurrency in enumerate(levels):
+      n = REQUESTS.value
+      before = server.metrics()
+      result = asyncio.run(_level(server.url, questions[i * n:(i + 1) * n], concurrency))
+      after = server.metrics()
+      result.update(learning=name, rolling_alpha=after["osd:rolling_alpha"],
+                    updates=after["osd:draft_updates_total"]
+                    - before["osd:draft_updates_total"])
+      results.append(result)
+      print(f"[learning {name}] concurrency {concurrency}:"
+            f" {result['tokens_per_s']:.1f} tokens/s", flush=True)
+    return results
+  finally:
+    server.stop()
+
+
+def _table(results: list[dict]) -> str:
+  head = ("| learning | clients | requests | tokens/s | TTFT P50 / P99 ms |"
+          " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |")
+  rows = [head, "|" + "---|" * 9]
+  for r in results:
+    rows.append(f"| {r['learning']} | {r['concurrency']} | {r['requests']} |"
+                f" {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
+                f" {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['alpha']:.3f} |"
+                f" {r['rolling_alpha']:.3f} | {r['updates']:.0f} |")
+  return "\n".join(rows)
+
+
+def main(argv):
+  del argv
+  levels = [int(c) for c in CONCURRENCY.value]
+  total = REQUESTS.value * len(levels)
+  queries = streams.make_stream("shift", DOMAINS.value, total, seed=0)
+  questions = [q.prompt for q in queries]
+  workdir = tempfile.mkdtemp(prefix="osd_bench_serve_")
+  results = []
+  for learn in (True, False):
+    results += _serve(learn, levels, questions, workdir)
+  print(_table(results))
+  print(f"server logs in {workdir}")
+  if OUTPUT.value:
+    with open(OUTPUT.value, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,110 @@
+"""An OpenAI-compatible server whose draft learns from the traffic it serves.
+
+  python -m experiments.serve --port=8000
+  python -m experiments.serve --checkpoint_dir=outputs/serve/ckpt \
+      --export_dir=outputs/serve/drafts
+  python -m experiments.serve --checkpoint_dir=outputs/serve/ckpt --resume
+  python -m experiments.serve --nolearn          # the draft stays as it is
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics and POST /v1/draft/export. SIGTERM or SIGINT lets in-flight
+requests finish (up to --drain_s), then checkpoints and exits. See the
+README's "Serving" section.
+"""
+
+import dataclasses
+import signal
+import socket
+
+from absl import app
+import jax
+import uvicorn
+
+from experiments import cli, model_flags, serve_flags as sf
+from osd_jax.serving import online
+from osd_jax.serving.api.app import make_app
+from osd_jax.serving.api.parse import Limits
+from osd_jax.serving.checkpoint import Checkpointer
+from osd_jax.serving.live import LiveEngine
+
+
+class _Server(uvicorn.Server):
+  """uvicorn, telling the engine to take no new requests when a signal comes."""
+
+  def __init__(self, config: uvicorn.Config, engine: LiveEngine):
+    super().__init__(config)
+    self.engine = engine
+
+  def handle_exit(self, sig, frame) -> None:
+    self.engine.drain()
+    super().handle_exit(sig, frame)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+  """Bound before the long start-up, so a taken port fails at once."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except (OSError, OverflowError) as e:  # taken, not ours, or not a port
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    raise app.UsageError(f"Cannot listen on {host}:{port}: {reason.rstrip('.')}.") from e
+  return sock
+
+
+def main(argv):
+  del argv
+  if sf.COMPILATION_CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", sf.COMPILATION_CACHE.value)
+  if sf.RESUME.value and not sf.CHECKPOINT_DIR.value:
+    raise app.UsageError("--resume needs --checkpoint_dir.")
+  sock = _listening_socket(sf.HOST.value, sf.PORT.value)
+  target = model_flags.load_target()
+  draft = model_flags.load_draft(target)
+  if sf.LEARN.value and draft.params == ():
+    raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
+                         " pass --nolearn.")
+  mesh = online.make_mesh(None if sf.DEVICES.value == "all" else int(sf.DEVICES.value))
+  cfg, live = sf.online_config(), sf.live_config()
+  checkpointer = None
+  if sf.CHECKPOINT_DIR.value:
+    # What a resumed server must share with its checkpoint; learning may differ.
+    run_config = {"online": {k: v for k, v in dataclasses.asdict(cfg).items()
+                             if k != "learn"},
+                  "target": target.source, "draft": draft.source,
+                  "slots": live.num_slots, "devices": mesh.size}
+    checkpointer = Checkpointer(sf.CHECKPOINT_DIR.value, run_config,
+                                resume=sf.RESUME.value)
+  engine = LiveEngine(target, draft, cfg, live, mesh=mesh, checkpointer=checkpointer)
+  if engine.resumed_from is not None:
+    print(f"resumed from checkpoint {engine.resumed_from}", flush=True)
+  engine.start(warm_up=sf.WARM_UP.value)
+  name = sf.MODEL_NAME.value or model_flags.TARGET.value
+  limits = Limits(model=name, tokenizer=target.tokenizer,
+                  vocab_size=target.config.vocab_size, problem=engine.problem,
+                  default_max_tokens=engine.default_max_tokens,
+                  temperature=sf.TEMPERATURE.value, top_p=sf.TOP_P.value,
+                  top_k=sf.TOP_K.value)
+  server = _Server(uvicorn.Config(make_app(engine, limits), log_level="warning",
+                                  access_log=False,
+                                  timeout_graceful_shutdown=sf.DRAIN_S.value), engine)
+  engine.on_failure = lambda message: setattr(server, "should_exit", True)
+  print(f"serving {name} at http://{sf.HOST.value}:{sf.PORT.value}/v1 with"
+        f" {live.num_slots} slots, k={cfg.k}, learning"
+        f" {'on' if cfg.learn else 'off'}; draft {draft.source}", flush=True)
+  # uvicorn re-raises the signal it handled once it has shut down; with these
+  # the process then ends normally, after the engine's checkpoint.
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: None)
+  server.run(sockets=[sock])
+  engine.stop()  # already stopped by the app's shutdown, unless it never started
+  if checkpointer is not None:
+    checkpointer.close()
+    print(f"checkpoints in {checkpointer.directory}", flush=True)
+  if engine.failure:
+    raise SystemExit(f"error: {engine.failure}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

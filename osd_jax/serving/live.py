@@ -1,0 +1,415 @@
+"""The live engine: one thread owns the online state and drives the slot engine.
+
+HTTP handlers `submit` tokenized requests and read events back; only the
+engine thread touches device arrays. Each turn of its loop takes new
+commands, frees the slots of cancelled requests, admits queued requests into
+free slots (at most one per device per insert call), runs one serve call
+(decode, buffer, and the online update every I finished requests), hands
+each request its new tokens and finishes those that are done. The state is
+checkpointed every N updates and when the engine stops; the draft is
+exported as an HF directory on request.
+"""
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from osd_jax.checkpoints import loading
+from osd_jax.checkpoints.loading import LoadedModel
+from osd_jax.decoding import slots as slot_lib
+from osd_jax.decoding.drafts import Draft, ModelDraft
+from osd_jax.decoding.sampling import RowSampling
+from osd_jax.models import llama
+from osd_jax.serving import distributed, driver, online
+from osd_jax.serving.checkpoint import Checkpointer
+from osd_jax.serving.live_request import (Failed, Finished, LiveRequest, RequestStats,
+                                          Tokens)
+from osd_jax.serving.server_metrics import ServerMetrics
+
+_IDLE_WAIT_S = 0.5  # how long an idle engine sleeps between looks at its queue
+
+
+class EngineUnavailable(RuntimeError):
+  """The engine is stopping or has failed: no new work is taken."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveConfig:
+  """Host-side settings of the live engine."""
+
+  num_slots: int = 8
+  checkpoint_every: int = 0  # draft updates between checkpoints; 0: only at stop
+  export_dir: str | None = None  # where draft exports go (None: no exports)
+  rolling_window: int = 16  # requests in the rolling alpha
+  seed: int = 0  # draws the seeds of requests that bring none
+
+
+def _free_program(mesh: jax.sharding.Mesh):
+  """done | mask, kept on the slots' sharding so the serve program never recompiles."""
+  return jax.jit(lambda done, mask: done | mask,
+                 out_shardings=NamedSharding(mesh, P(online.AXIS)), donate_argnums=0)
+
+
+class LiveEngine:
+  """The slot engine with online learning, fed from a thread-safe queue."""
+
+  def __init__(self, target: LoadedModel, draft: Draft, cfg: online.OnlineConfig,
+               live: LiveConfig, *, mesh: jax.sharding.Mesh,
+               checkpointer: Checkpointer | None = None):
+    if cfg.sampling is not None:
+      raise ValueError("The live engine takes each request's sampling: set"
+                       " OnlineConfig.sampling to None.")
+    if cfg.num_drafts != 1:
+      raise ValueError("The live engine serves one draft.")
+    if live.num_slots % mesh.size:
+      raise ValueError(f"{live.num_slots} slots do not split over {mesh.size} devices.")
+    self.target, self.draft, self.cfg, self.live = target, draft, cfg, live
+    self.mesh, self.checkpointer = mesh, checkpointer
+    self.metrics = ServerMetrics(cfg.k, live.num_slots, live.rolling_window)
+    self._step = online.make_step(mesh, target_config=target.config,
+                                  drafter=draft.drafter, cfg=cfg)
+    self._free = _free_program(mesh)
+    self._rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
+    self._target_params = distributed.replicate(
+        llama.for_decoding(target.params, target.config), mesh)
+    # Placed before a restore, so that orbax restores straight onto the mesh.
+    self._state = online.place_state(online.init_state(
+        draft.params, draft.drafter, target.config, cfg, num_devices=mesh.size,
+        num_slots=live.num_slots, seed=live.seed), mesh)
+    self._saves = 0
+    self.resumed_from: int | None = None
+    if checkpointer is not None:
+      restored = checkpointer.restore_latest(self._state)
+      if restored is not None:
+        self._state, host = restored
+        self._saves = self.resumed_from = int(host["saves"])
+        # Requests in flight at that save died with their connections.
+        self._free_slots(np.ones(live.num_slots, bool))
+    self._state = online.place_state(self._state, mesh)
+    self._commands: queue.Queue = queue.Queue()
+    self._pending: collections.deque[LiveRequest] = collections.deque()
+    self._owner: list[LiveRequest | None] = [None] * live.num_slots
+    self._lengths = np.zeros(live.num_slots, np.int64)  # host copy of m per slot
+    self._seeds = np.random.default_rng(live.seed)
+    self._key_shape = jax.random.key_data(jax.random.key(0)).shape  # the PRNG's
+    self._counts = self._counters()  # (updates, skipped, last loss) after the last call
+    self._updates_saved = self._counts[0]
+    self._thread: threading.Thread | None = None
+    self._accepting = True
+    self.failure: str | None = None
+    self.on_failure: Callable[[str], None] = lambda message: None
+
+  # Any thread ------------------------------------------------------------
+
+  def problem(self, prompt_len: int, max_tokens: int) -> str | None:
+    """Why a request of this size cannot be served, or None."""
+    cfg = self.cfg
+    if prompt_len < 1:
+      return "The prompt is empty: it needs at least 1 token."
+    room = cfg.cache_size - cfg.k - prompt_len  # the most new tokens a slot holds
+    if room < 1:
+      return (f"The prompt has {prompt_len} tokens; this server's context holds"
+              f" at most {cfg.cache_size - cfg.k - 1} prompt tokens.")
+    if max_tokens < 1:
+      return f"max_tokens must be at least 1, got {max_tokens}."
+    if max_tokens > min(room, cfg.max_new_tokens):
+      return (f"max_tokens {max_tokens} is beyond the context: at most"
+              f" {min(room, cfg.max_new_tokens)} for this {prompt_len}-token prompt"
+              f" (the server allows {cfg.max_new_tokens}).")
+    return None
+
+  def default_max_tokens(self, prompt_len: int) -> int:
+    """max_tokens of a request that names none: all the slot has room for."""
+    return max(min(self.cfg.cache_size - self.cfg.k - prompt_len,
+                   self.cfg.max_new_tokens), 1)
+
+  @property
+  def healthy(self) -> bool:
+    return self.failure is None and self._thread is not None and self._thread.is_alive()
+
+  def submit(self, request: LiveRequest) -> None:
+    """Queues a checked request; its events come back through request.on_event."""
+    if not self._accepting or not self.healthy:
+      raise EngineUnavailable(self.failure or "The server is shutting down.")
+    self._commands.put(("request", request))
+
+  def export(self, name: str) -> concurrent.futures.Future:
+    """An HF directory of the current draft under export_dir/name (a future path)."""
+    future = concurrent.futures.Future()
+    if not self.healthy:
+      future.set_exception(EngineUnavailable(self.failure or "The engine is not running."))
+    else:
+      self._commands.put(("export", name, future))
+    return future
+
+  def start(self, warm_up: bool = True) -> None:
+    """Compiles every program a request can call (unless told not to), then serves."""
+    if warm_up:
+      self._warm_up()
+    self._thread = threading.Thread(target=self._run, name="osd-engine", daemon=True)
+    self._thread.start()
+
+  def drain(self) -> None:
+    """Takes no new requests; those already queued or in slots are still served."""
+    self._accepting = False
+
+  def stop(self, timeout: float | None = None) -> None:
+    """Fails what is left, checkpoints and exports, and ends the engine thread."""
+    self._accepting = False
+    if self._thread is not None:
+      self._commands.put(("stop",))
+      self._thread.join(timeout)
+
+  # Engine thread ---------------------------------------------------------
+
+  def _warm_up(self) -> None:
+    cfg = self.cfg
+    driver.warm_up(self._step, self._target_params, self._state,
+                   range(1, cfg.cache_size + 1), self.mesh)
+    # warm_up covers prompts that fit with cfg.max_new_tokens; a request that
+    # asks for fewer may bring a longer prompt, in a wider bucket.
+    longest = cfg.cache_size - cfg.k - 1
+    widths = {slot_lib.bucket(n, cfg.cache_size) for n in range(1, longest + 1)}
+    widths -= {slot_lib.bucket(n, cfg.cache_size) for n in range(1, longest + 1)
+               if cfg.fits(n)}
+    for width in sorted(widths):
+      self._insert_nothing(width)
+    self._free_slots(np.zeros(self.live.num_slots, bool))
+
+  def _insert_nothing(self, width: int) -> None:
+    """Compiles the insert program of one prompt width (no slot is touched)."""
+    devices, rows = self.mesh.size, self._rows
+    ones = np.ones(devices, np.int32)
+    scratch = jax.tree.map(jnp.copy, self._state)  # insert donates it
+    jax.block_until_ready(self._step.insert(
+        self._target_params, scratch, rows(np.zeros((devices, width), np.int32)),
+        rows(ones), rows(ones), rows(np.full(devices, -1, np.int32)),
+        rows(np.zeros(devices, np.int32)),
+        rows(jax.random.wrap_key_data(np.zeros((devices,) + self._key_shape,
+                                               np.uint32))),
+        rows(RowSampling(np.zeros(devices, np.float32), np.zeros(devices, np.int32),
+                         np.ones(devices, np.float32)))))
+
+  def _run(self) -> None:
+    try:
+      while True:
+        if not self._take_commands(wait=not (self._pending or self._occupied())):
+          break
+        self._free_cancelled()
+        self._admit()
+        if self._occupied():
+          self._serve_once()
+        self._publish_gauges()
+    except Exception as error:  # pylint: disable=broad-except
+      self.failure = f"engine error: {type(error).__name__}: {error}"
+      traceback.print_exc()
+      self._fail_all(self.failure)
+      self.on_failure(self.failure)
+      return
+    self._fail_all("The server is shutting down.")
+    self._free_slots(np.ones(self.live.num_slots, bool))
+    self._save()
+    if self.live.export_dir and isinstance(self.draft.drafter, ModelDraft):
+      print(f"draft exported to {self._export(self._default_export_name())}")
+
+  def _take_commands(self, wait: bool) -> bool:
+    """Moves new commands off the queue; False once told to stop."""
+    try:
+      command = self._commands.get(timeout=_IDLE_WAIT_S) if wait else \
+          self._commands.get_nowait()
+    except queue.Empty:
+      return True
+    while True:
+      kind = command[0]
+      if kind == "stop":
+        return False
+      if kind == "request":
+        self._pending.append(command[1])
+      elif kind == "export":
+        _, name, future = command
+        try:
+          future.set_result(self._export(name or self._default_export_name()))
+        except Exception as error:  # pylint: disable=broad-except
+          future.set_exception(error)
+      try:
+        command = self._commands.get_nowait()
+      except queue.Empty:
+        return True
+
+  def _occupied(self) -> list[int]:
+    return [s for s, r in enumerate(self._owner) if r is not None]
+
+  def _free_slots(self, mask: np.ndarray) -> None:
+    slots = self._state.slots
+    self._state = self._state.replace(slots=slots.replace(
+        done=self._free(slots.done, self._rows(mask))))
+
+  def _free_cancelled(self) -> None:
+    for request in [r for r in self._pending if r.cancelled]:
+      # Never admitted: nothing was computed for it.
+      stats = RequestStats(0, 0, 0, 0, 0, (0,) * self.cfg.k, 0, 0.0, 0.0)
+      self.metrics.observe(stats, "abort")
+      request.on_event(Finished("cancelled", stats))
+    self._pending = collections.deque(r for r in self._pending if not r.cancelled)
+    cancelled = [s for s in self._occupied() if self._owner[s].cancelled]
+    if not cancelled:
+      return
+    mask = np.zeros(self.live.num_slots, bool)
+    mask[cancelled] = True
+    self._free_slots(mask)
+    metrics, lengths, prompt_lens = distributed.gather(
+        (self._state.slots.metrics, self._state.slots.lengths,
+         self._state.slots.prompt_lens))
+    for s in cancelled:
+      self._finish(s, "cancelled", metrics, int(lengths[s] + 1 - prompt_lens[s]))
+
+  def _admit(self) -> None:
+    """Fills free slots from the queue, at most one per device per insert call."""
+    devices, cfg = self.mesh.size, self.cfg
+    per_device = self.live.num_slots // devices
+    while self._pending:
+      picks = []  # (device, local slot, request)
+      for device in range(devices):
+        free = [s for s in range(per_device)
+                if self._owner[device * per_device + s] is None]
+        if free and self._pending:
+          picks.append((device, free[0], self._pending.popleft()))
+      if not picks:
+        return
+      width = slot_lib.bucket(max(len(r.prompt_ids) for _, _, r in picks),
+                              cfg.cache_size)
+      prompts = np.full((devices, width), self.target.config.pad_id, np.int32)
+      lens, budgets = np.ones(devices, np.int32), np.ones(devices, np.int32)
+      slot, routes = np.full(devices, -1, np.int32), np.zeros(devices, np.int32)
+      key_data = np.zeros((devices,) + self._key_shape, np.uint32)
+      temperature, top_p = np.zeros(devices, np.float32), np.ones(devices, np.float32)
+      top_k = np.zeros(devices, np.int32)
+      for device, local, request in picks:
+        n, p = len(request.prompt_ids), request.params
+        prompts[device, :n] = request.prompt_ids
+        lens[device], budgets[device], slot[device] = n, p.max_tokens, local
+        seed = p.seed if p.seed is not None else int(self._seeds.integers(1 << 32))
+        key_data[device] = jax.random.key_data(jax.random.key(seed % (1 << 32)))
+        temperature[device], top_k[device], top_p[device] = (p.temperature, p.top_k,
+                                                             p.top_p)
+        s = device * per_device + local
+        self._owner[s], self._lengths[s] = request, n - 1
+      rows = self._rows
+      self._state = self._step.insert(
+          self._target_params, self._state, rows(prompts), rows(lens), rows(budgets),
+          rows(slot), rows(routes), rows(jax.random.wrap_key_data(key_data)),
+          rows(RowSampling(temperature, top_k, top_p)))
+
+  def _serve_once(self) -> None:
+    """One compiled call over every slot; new tokens out, finished requests done."""
+    occupied = self._occupied()
+    window = self.cfg.window(int(self._lengths[occupied].max()))
+    # The call's StepOutput is not needed: the state holds the update counts.
+    self._state, _ = self._step.serve(self._target_params, self._state,
+                                      steps=self.cfg.steps_per_call, window=window)
+    slots = self._state.slots
+    done, lengths, prompt_lens, tokens, updates, skipped, loss = distributed.gather(
+        (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,
+         self._state.num_updates, self._state.num_skipped, self._state.last_loss))
+    self._lengths = lengths.astype(np.int64)
+    self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
+    finished = []
+    for s in occupied:
+      request, start = self._owner[s], int(prompt_lens[s])
+      generated = int(lengths[s] + 1 - prompt_lens[s])
+      if generated > request.sent and not request.cancelled:
+        request.on_event(Tokens([int(t) for t in
+                                 tokens[s, start + request.sent:start + generated]]))
+        request.sent = generated
+      if done[s]:
+        finished.append((s, generated))
+    if finished:
+      metrics = distributed.gather(slots.metrics)
+      for s, generated in finished:
+        last = int(tokens[s, prompt_lens[s] + generated - 1]) if generated else -1
+        reason = "eos" if last == self.target.config.eos_id else "length"
+        self._finish(s, reason, metrics, generated)
+    if (self.live.checkpoint_every and self.checkpointer is not None
+        and self._counts[0] - self._updates_saved >= self.live.checkpoint_every):
+      self._save()
+
+  def _finish(self, s: int, reason: str, metrics, generated: int) -> None:
+    """Frees slot s on the host; its request gets its stats."""
+    request = self._owner[s]
+    self._owner[s] = None
+    used = generated if request.tokens_used is None else min(generated,
+                                                             request.tokens_used)
+    k = self.cfg.k
+    stats = RequestStats(
+        prompt_tokens=len(request.prompt_ids), completion_tokens=used,
+        num_drafts=int(metrics.reached_by_position[s, 0]) if k else 0,
+        num_draft_tokens=int(metrics.proposed[s]),
+        num_accepted_tokens=int(metrics.accepted[s]),
+        accepted_per_pos=tuple(int(x) for x in metrics.accepted_by_position[s]),
+        target_calls=int(metrics.target_calls[s]),
+        alpha_sum=float(metrics.alpha_sum[s]), alpha_count=float(metrics.alpha_count[s]))
+    if reason == "cancelled":
+      outcome = "stop" if request.tokens_used is not None else "abort"
+    else:
+      outcome = "stop" if reason == "eos" else "length"
+    self.metrics.observe(stats, outcome)
+    request.on_event(Finished(reason, stats))
+
+  def _fail_all(self, message: str) -> None:
+    for request in list(self._pending) + [r for r in self._owner if r is not None]:
+      request.on_event(Failed(message))
+    self._pending.clear()
+    self._owner = [None] * self.live.num_slots
+
+  def _counters(self) -> tuple[int, int, float]:
+    """(updates, skipped updates, last loss) of the draft, from the device state."""
+    updates, skipped, loss = distributed.gather(
+        (self._state.num_updates, self._state.num_skipped, self._state.last_loss))
+    return int(updates.sum()), int(skipped.sum()), float(loss[0])
+
+  def _publish_gauges(self) -> None:
+    updates, skipped, loss = self._counts
+    self.metrics.set_engine(
+        queue_depth=len(self._pending) + self._commands.qsize(),
+        slots_in_use=len(self._occupied()), draft_updates=updates,
+        draft_updates_skipped=skipped, draft_last_loss=loss)
+
+  def _save(self) -> None:
+    if self.checkpointer is None:
+      return
+    self._saves += 1
+    self._updates_saved = self._counters()[0]
+    self.checkpointer.save(self._saves, self._state,
+                           {"saves": self._saves, "num_updates": self._updates_saved,
+                            "time": time.time()})
+    self._state = online.place_state(self._state, self.mesh)
+
+  def _default_export_name(self) -> str:
+    return f"updates-{self._counters()[0]}"
+
+  def _export(self, name: str) -> str:
+    """Writes the draft as an HF directory; returns its path."""
+    if not self.live.export_dir:
+      raise EngineUnavailable("Start the server with --export_dir to export the draft.")
+    if os.path.basename(name) != name or name in (".", ".."):
+      raise ValueError(f"An export name is one folder name, got {name!r}.")
+    if not isinstance(self.draft.drafter, ModelDraft):
+      raise EngineUnavailable(f"A {type(self.draft.drafter).__name__} has no model"
+                              " to export.")
+    params = jax.tree.map(lambda x: np.asarray(x[0]),
+                          distributed.gather(self._state.draft_params))
+    path = os.path.join(self.live.export_dir, name)
+    loading.save_hf(LoadedModel(self.draft.drafter.config, params, self.target.tokenizer,
+                                f"online draft of {self.draft.source}"), path)
+    return path

@@ -1,0 +1,56 @@
+"""TextStream: streamed deltas add up to the whole text, stops cut it, bytes wait."""
+
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from osd_jax.serving.api.text import TextStream
+from tests import tiny_models
+
+EOS = 2
+
+
+def _byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+  """One token per byte (byte-level BPE without merges): é takes two tokens."""
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _stream(tokenizer, groups, stops=()) -> tuple[list[str], TextStream]:
+  text = TextStream(tokenizer, EOS, stops)
+  deltas = [text.add(g) for g in groups]
+  return deltas + [text.finish()], text
+
+
+def test_deltas_add_up_to_the_decoded_text():
+  tok = tiny_models.tokenizer()
+  ids = tok("w5 w6 w7 w8 w9")["input_ids"]
+  deltas, text = _stream(tok, [ids[:2], ids[2:3], ids[3:]])
+  assert "".join(deltas) == tok.decode(ids) == text.text
+  assert text.stop_tokens is None
+
+
+def test_eos_ends_the_text_and_is_not_text():
+  tok = tiny_models.tokenizer()
+  ids = tok("w5 w6")["input_ids"]
+  deltas, text = _stream(tok, [ids + [EOS] + ids])
+  assert "".join(deltas) == "w5 w6" and text.closed
+
+
+def test_a_stop_string_across_token_groups_is_held_back_then_cut():
+  tok = tiny_models.tokenizer()
+  ids = tok("w5 w7 w8 w9")["input_ids"]
+  deltas, text = _stream(tok, [ids[:2], ids[2:]], stops=("w7 w8",))
+  assert deltas[0] == "w5 "  # "w7" might begin the stop string: held back
+  assert "".join(deltas) == "w5 " and text.stop_tokens == 3
+
+
+def test_a_split_character_waits_for_its_last_byte():
+  tok = _byte_tokenizer()
+  ids = tok("café!")["input_ids"]
+  assert len(ids) == 6  # é is two bytes
+  deltas, _ = _stream(tok, [[i] for i in ids])
+  assert "\ufffd" not in "".join(deltas) and "".join(deltas) == "café!"
+  assert deltas[3] == ""  # the first byte of é alone
