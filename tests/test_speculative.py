@@ -318,8 +318,9 @@ def test_caches_after_rejection_equal_fresh_prefill(target, trajectory):
     lengths = np.array([len(c) for c in committed])
     np.testing.assert_array_equal(after.target_cache.lengths, lengths)
     checks = [(target, after.target_cache, lengths)]
-    if isinstance(after.draft, KVCache):  # the next proposal re-reads c_{m-1}
-      checks.append((draft, after.draft, np.maximum(lengths - 1, 0)))
+    if isinstance(after.draft, KVCache):  # commit re-read every kept token
+      np.testing.assert_array_equal(after.draft.lengths, lengths)
+      checks.append((draft, after.draft, lengths))
     for model, cache, valid in checks:
       _, fresh = prefill_jit(model.params, model.config, pad(committed, CACHE),
                              jnp.asarray(lengths),

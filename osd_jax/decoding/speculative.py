@@ -238,7 +238,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   done = state.done | hit_eos | (generated + kept >= state.budget)
   tokens = _write_rows(state.tokens, emitted, kept, m + 1)
   target_cache = target_cache.with_lengths(m + kept)
-  draft = drafter.commit(draft_params, draft, Verified(hidden, emitted, kept, m),
+  draft = drafter.commit(draft_params, draft, Verified(hidden, verify, emitted, kept, m),
                          window)
 
   is_verified = (jnp.arange(k) <= n[:, None]) & (

@@ -53,6 +53,7 @@ class Verified:
   """What one verification pass saw, per row."""
 
   hidden: jax.Array  # [B, k+1, D] target's final hidden states at m..m+k
+  tokens: jax.Array  # [B, k+1] what the target read: c_m, x_1..x_k
   emitted: jax.Array  # [B, k+1] c_{m+1}.. : accepted drafts, then y
   kept: jax.Array  # [B] tokens appended (0 for finished rows)
   start: jax.Array  # [B] m before the step

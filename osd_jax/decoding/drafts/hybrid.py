@@ -2,13 +2,16 @@
 
 Code and SQL answers copy names from their prompts; where lookup finds
 nothing the learned draft proposes instead. The base drafter is fed the
-chosen tokens, so its cache always holds what was proposed.
+chosen tokens, so its proposal is consistent with what was proposed.
 """
 
 import dataclasses
 from typing import Any
 
-from osd_jax.decoding.drafts.base import Context, Forced
+import jax
+import jax.numpy as jnp
+
+from osd_jax.decoding.drafts.base import Context, Forced, Proposal, one_hot_logits
 from osd_jax.decoding.drafts.ngram import NGramDraft
 
 
@@ -34,9 +37,14 @@ class HybridDraft:
 
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
+    """When lookup covers every row the base draft is skipped: its commit
+    re-reads the kept tokens anyway, so its state stays right."""
     tokens, found = self.ngram.lookup(ctx, k)
-    return self.base.propose(params, state, ctx, rng_B, k, sampling, window,
-                             forced=Forced(tokens, found))
+    lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
+                                    jnp.full(found.shape, k, jnp.int32)), state)
+    with_base = lambda: self.base.propose(params, state, ctx, rng_B, k, sampling,
+                                          window, forced=Forced(tokens, found))
+    return jax.lax.cond(jnp.all(found), lookup_only, with_base)
 
   def commit(self, params, state, verified, window):
     return self.base.commit(params, state, verified, window)
