@@ -86,6 +86,11 @@ def main(argv):
     r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
     print(f"{name:16s} {'all':8s} {'':6s} {'':8s} {r['tokens_per_s']:7.1f}"
           f" {r['speedup']:8.2f}")
+  print("\nacceptance by draft position over the last window (given it was reached):")
+  for name, r in results.items():
+    by_position = r["last"]["acceptance_by_position"]
+    if by_position:
+      print(f"{name:16s} " + " ".join(f"{a:.2f}" for a in by_position))
   if OUTPUT.value:
     os.makedirs(os.path.dirname(OUTPUT.value) or ".", exist_ok=True)
     with open(OUTPUT.value, "w") as f:

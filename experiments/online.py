@@ -35,7 +35,9 @@ MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request.
 CACHE_SIZE = flags.DEFINE_integer(
     "cache_size", 512, "Positions per slot: prompt + max_new_tokens + k must fit;"
     " a longer request gets an error record and the stream goes on.")
-SLOTS = flags.DEFINE_integer("slots", 8, "Decode slots (requests in flight), all devices.")
+SLOTS = flags.DEFINE_integer(
+    "slots", 1, "Decode slots (requests in flight), all devices. 1 is the"
+    " latency regime where speculation pays on a CPU; see README for 8.")
 STEPS_PER_CALL = flags.DEFINE_integer(
     "steps_per_call", 8, "Speculative steps per compiled call between slot refills.")
 DEVICES = flags.DEFINE_string("devices", "all", "'all' or how many local devices.")
@@ -95,6 +97,12 @@ CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Orbax checkpoints (default OUTPUT_DIR/checkpoints).")
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 64, "Requests between saves.")
 RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_dir.")
+# The main job's draft, picked by bench_drafts (README, "Every draft kind"):
+# the derived draft, warm-started on chat text and learning online, behind
+# n-gram lookup wherever the context has a match.
+flags.set_default(model_flags.HYBRID, True)
+flags.set_default(model_flags.WARM_START, "chat")
+
 WINDOW = flags.DEFINE_integer(
     "window", 16, "Requests in the rolling alpha and in the per-segment and"
     " last-window figures.")

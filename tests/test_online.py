@@ -393,7 +393,7 @@ def test_no_recompilation_as_the_stream_goes_on(single, multi):
     programs = run["tap"].programs
     assert {p for p, _, _ in programs} == {("insert", 64), ("insert", 128),
                                            ("serve", 64), ("serve", 128)}
-    assert len(programs) > 20
+    assert len(programs) >= 16  # a long stream: many calls per program
     seen, traces, compiles = set(), 0, 0
     for program, t, c in programs:
       is_new = program not in seen

@@ -23,7 +23,7 @@ from tests.test_online import TIMING, VOCAB, host, tiny_pair, tree_equal
 from tests.test_online_drafts import CATEGORIES, DEVICES, DRAFTS, SLOTS
 
 EVERY = 4  # served requests between checkpoints
-INTERRUPT_AFTER = 13  # records, mid-stream
+INTERRUPT_AFTER = 15  # records, mid-stream
 TOO_LONG = 5  # this request's prompt cannot fit a slot
 # orbax's asyncio helpers complain at garbage collection once closed.
 pytestmark = pytest.mark.filterwarnings(

@@ -161,6 +161,24 @@ def test_only_the_draft_is_differentiated():
   assert max_abs_diff(params, draft.params) > 1e-3
 
 
+def test_prompt_read_without_gradient_keeps_the_loss_and_trains_generated_positions():
+  """The default reads the prompt once without gradient: the loss is the same
+  as a full forward's; the gradient equals the full one when there is no
+  prompt to read (gen_start 0) and differs from it when there is."""
+  _, draft = tiny_pair()
+  config = draft.drafter.config
+  full = dataclasses.replace(CFG, prompt_gradient=True)
+  loss_and_grad = jax.jit(jax.value_and_grad(update.loss_fn, has_aux=True),
+                          static_argnums=(1, 4))
+  for gen_start, grads_equal in (((0, 0, 0, 0), True), ((3, 5, 7, 2), False)):
+    buffer, p = make_buffer(VOCAB, gen_start=gen_start)
+    (loss, _), grads = loss_and_grad(draft.params, config, buffer, jnp.asarray(p), CFG)
+    (loss_full, _), grads_full = loss_and_grad(draft.params, config, buffer,
+                                               jnp.asarray(p), full)
+    np.testing.assert_allclose(float(loss), float(loss_full), rtol=1e-5)
+    assert (max_abs_diff(grads, grads_full) < 1e-5) == grads_equal, gen_start
+
+
 def test_updates_lower_the_loss():
   _, draft = tiny_pair()
   buffer, p = make_buffer(VOCAB)

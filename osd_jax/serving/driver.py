@@ -258,6 +258,8 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       slot_metrics = {f: float(getattr(metrics, f)[s]) for f in ROW_METRICS}
       record = request_record(index, queries[index], slot_metrics,
                               int(lengths[s] + 1 - prompt_lens[s]), int(prompt_lens[s]))
+      record.update(reached_by_position=metrics.reached_by_position[s].tolist(),
+                    accepted_by_position=metrics.accepted_by_position[s].tolist())
       decoding, first = first_token.pop(index, (call_start, now))
       record.update(served=host.served, draft=route(index), call=host.calls,
                     queue_s=admitted.pop(index, start_time) - start_time,

@@ -117,9 +117,23 @@ def speed_summary(records: list[dict], *, tail: int) -> dict:
   out["last"] = {"requests": len(window), "alpha": mean("alpha", window),
                  "tokens_per_call": mean("tokens_per_target_call", window),
                  "tokens_per_s": tokens_per_second(window, start)}
+  out["last"]["acceptance_by_position"] = acceptance_by_position(window)
   out["tokens_per_s"] = tokens_per_second(records)
   out["latency"] = latency_percentiles(records)
   return out
+
+
+def acceptance_by_position(records: list[dict]) -> list[float]:
+  """Per draft position i: accepted / verified, summed over `records`.
+
+  Position i is verified only when 1..i-1 were accepted, so this is the
+  acceptance of step i given that the draft got that far.
+  """
+  reached = np.sum([r.get("reached_by_position", []) for r in records], axis=0)
+  accepted = np.sum([r.get("accepted_by_position", []) for r in records], axis=0)
+  if not np.ndim(reached):
+    return []
+  return [float(a / r) if r else float("nan") for a, r in zip(accepted, reached)]
 
 
 def latency_percentiles(records: list[dict]) -> dict:
