@@ -16,12 +16,11 @@ import time
 
 from absl import app, flags
 
-from experiments import cli, model_flags, multihost_flags, plots
+from experiments import cli, learning_flags, model_flags, multihost_flags, plots
 from osd_jax.data import streams
 from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.decoding.sampling import Sampling
-from osd_jax.distillation import losses, samples
-from osd_jax.distillation.update import DistillConfig
+from osd_jax.distillation import samples
 from osd_jax.serving import distributed, driver, online
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.report import Reporter, read_jsonl, speed_summary
@@ -47,39 +46,11 @@ RUNS = flags.DEFINE_list(
     "Which passes over the stream: target (target-only), static (the draft"
     " never learns), online (the draft learns as it serves).")
 # Learning.
-UPDATE_INTERVAL = flags.DEFINE_integer(
-    "update_interval", 8, "I: finished requests between draft updates (paper: 8).")
-UPDATE_STEPS = flags.DEFINE_integer(
-    "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
-BUFFER_CAPACITY = flags.DEFINE_integer(
-    "buffer_capacity", 16, "Samples kept per device (and draft).")
-KEEP_BUFFER = flags.DEFINE_bool(
-    "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
-    " is seen capacity / update_interval times (the paper clears it:"
-    " --nokeep_buffer --buffer_capacity=8).")
-TRAIN_LEN = flags.DEFINE_integer(
-    "train_len", 0, "Positions of a buffered sample (0: --cache_size); longer"
-    " requests are served but not learnt from.")
-TEACHER_TOPK = flags.DEFINE_integer(
-    "teacher_topk", 32, "Keep the target's top-k from verification; 0 ="
-    " recompute the teacher with a target forward at update time.")
-LOSS = flags.DEFINE_enum("loss", "fkl", list(losses.NAMES), "Divergence.")
-LOSS_BETA = flags.DEFINE_float("loss_beta", 0.5, "Weight of the generalised JSD.")
-LOSS_TEMPERATURE = flags.DEFINE_float("loss_temperature", 1.0, "Distillation temperature.")
-LOSS_WEIGHTING = flags.DEFINE_enum(
-    "loss_weighting", "all", ["corrected", "all"],
-    "Distil on every generated token, or on corrected/bonus tokens only (paper).")
 SAMPLE_SOURCE = flags.DEFINE_enum("sample_source", "served", list(samples.SOURCES),
                                   "Where training tokens come from.")
 SOURCE_MIX = flags.DEFINE_float("source_mix", 0.5, "Target share for mixed sources.")
-OPTIMIZER = flags.DEFINE_enum("optimizer", "adamw", ["adamw", "adam", "sgd"], "Optimizer.")
-LEARNING_RATE = flags.DEFINE_float(
-    "learning_rate", 1e-3, "Draft learning rate. The paper used 1e-4; drafts cut"
-    " from SmolLM2 learn far faster at 1e-3 (see README).")
 SCHEDULE = flags.DEFINE_enum("schedule", "constant",
                              ["constant", "cosine", "linear_warmup"], "LR schedule.")
-CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.")
-WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 NUM_DRAFTS = flags.DEFINE_enum(
     "drafts", "one", ["one", "per_category"],
     "One shared draft, or one draft per request category.")
@@ -113,18 +84,11 @@ def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
   return online.OnlineConfig(
       k=k, sampling=Sampling(TEMPERATURE.value, TOP_K.value, TOP_P.value),
       max_new_tokens=MAX_NEW_TOKENS.value, cache_size=CACHE_SIZE.value,
-      train_len=TRAIN_LEN.value, steps_per_call=STEPS_PER_CALL.value, learn=learn,
-      update_interval=UPDATE_INTERVAL.value, update_steps=UPDATE_STEPS.value,
-      buffer_capacity=BUFFER_CAPACITY.value,
-      clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,
-      loss_weighting=LOSS_WEIGHTING.value, sample_source=SAMPLE_SOURCE.value,
-      source_mix=SOURCE_MIX.value, num_drafts=num_drafts,
-      distill=DistillConfig(
-          loss=LOSS.value, beta=LOSS_BETA.value,
-          temperature=LOSS_TEMPERATURE.value, optimizer=OPTIMIZER.value,
-          learning_rate=LEARNING_RATE.value, schedule=SCHEDULE.value,
-          schedule_steps=max(NUM_REQUESTS.value // UPDATE_INTERVAL.value, 1),
-          weight_decay=WEIGHT_DECAY.value, clip_norm=CLIP_NORM.value))
+      steps_per_call=STEPS_PER_CALL.value, learn=learn,
+      sample_source=SAMPLE_SOURCE.value, source_mix=SOURCE_MIX.value,
+      num_drafts=num_drafts, **learning_flags.online_fields(
+          schedule=SCHEDULE.value, schedule_steps=max(
+              NUM_REQUESTS.value // learning_flags.UPDATE_INTERVAL.value, 1)))
 
 
 def summarize(name: str, path: str, tail: int) -> dict:

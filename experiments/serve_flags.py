@@ -2,8 +2,7 @@
 
 from absl import flags
 
-from osd_jax.distillation import losses
-from osd_jax.distillation.update import DistillConfig
+from experiments import learning_flags
 from osd_jax.serving import online
 from osd_jax.serving.live import LiveConfig
 
@@ -39,29 +38,6 @@ COMPILATION_CACHE = flags.DEFINE_string(
 # Learning.
 LEARN = flags.DEFINE_bool("learn", True, "Distil the draft on the traffic; --nolearn"
                           " keeps it frozen.")
-UPDATE_INTERVAL = flags.DEFINE_integer(
-    "update_interval", 8, "I: finished requests between draft updates (paper: 8).")
-UPDATE_STEPS = flags.DEFINE_integer(
-    "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
-BUFFER_CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples kept per device.")
-KEEP_BUFFER = flags.DEFINE_bool(
-    "keep_buffer", True, "Keep the ring buffer after an update (the paper clears it).")
-TRAIN_LEN = flags.DEFINE_integer(
-    "train_len", 0, "Positions of a buffered sample (0: --cache_size); longer"
-    " requests are served but not learnt from.")
-TEACHER_TOPK = flags.DEFINE_integer(
-    "teacher_topk", 32, "Keep the target's top-k from verification; 0 ="
-    " recompute the teacher with a target forward at update time.")
-LOSS = flags.DEFINE_enum("loss", "fkl", list(losses.NAMES), "Divergence.")
-LOSS_BETA = flags.DEFINE_float("loss_beta", 0.5, "Weight of the generalised JSD.")
-LOSS_TEMPERATURE = flags.DEFINE_float("loss_temperature", 1.0, "Distillation temperature.")
-LOSS_WEIGHTING = flags.DEFINE_enum(
-    "loss_weighting", "all", ["corrected", "all"],
-    "Distil on every generated token, or on corrected/bonus tokens only (paper).")
-OPTIMIZER = flags.DEFINE_enum("optimizer", "adamw", ["adamw", "adam", "sgd"], "Optimizer.")
-LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Draft learning rate.")
-CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.")
-WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 ROLLING_WINDOW = flags.DEFINE_integer(
     "rolling_window", 16, "Finished requests in /metrics' rolling alpha.")
 # State.
@@ -81,15 +57,8 @@ def online_config() -> online.OnlineConfig:
   """The engine's static settings; each request brings its own sampling."""
   return online.OnlineConfig(
       k=K.value, sampling=None, max_new_tokens=MAX_TOKENS.value,
-      cache_size=CACHE_SIZE.value, train_len=TRAIN_LEN.value,
-      steps_per_call=STEPS_PER_CALL.value, learn=LEARN.value,
-      update_interval=UPDATE_INTERVAL.value, update_steps=UPDATE_STEPS.value,
-      buffer_capacity=BUFFER_CAPACITY.value, clear_after_update=not KEEP_BUFFER.value,
-      teacher_k=TEACHER_TOPK.value, loss_weighting=LOSS_WEIGHTING.value,
-      distill=DistillConfig(
-          loss=LOSS.value, beta=LOSS_BETA.value, temperature=LOSS_TEMPERATURE.value,
-          optimizer=OPTIMIZER.value, learning_rate=LEARNING_RATE.value,
-          weight_decay=WEIGHT_DECAY.value, clip_norm=CLIP_NORM.value))
+      cache_size=CACHE_SIZE.value, steps_per_call=STEPS_PER_CALL.value,
+      learn=LEARN.value, **learning_flags.online_fields())
 
 
 def live_config() -> LiveConfig:

@@ -1,0 +1,49 @@
+"""Flags of the online update, shared by the main job and the server."""
+
+from absl import flags
+
+from osd_jax.distillation import losses
+from osd_jax.distillation.update import DistillConfig
+
+UPDATE_INTERVAL = flags.DEFINE_integer(
+    "update_interval", 8, "I: finished requests between draft updates (paper: 8).")
+UPDATE_STEPS = flags.DEFINE_integer(
+    "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
+BUFFER_CAPACITY = flags.DEFINE_integer(
+    "buffer_capacity", 16, "Samples kept per device (and draft).")
+KEEP_BUFFER = flags.DEFINE_bool(
+    "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
+    " is seen capacity / update_interval times (the paper clears it:"
+    " --nokeep_buffer --buffer_capacity=8).")
+TRAIN_LEN = flags.DEFINE_integer(
+    "train_len", 0, "Positions of a buffered sample (0: --cache_size); longer"
+    " requests are served but not learnt from.")
+TEACHER_TOPK = flags.DEFINE_integer(
+    "teacher_topk", 32, "Keep the target's top-k from verification; 0 ="
+    " recompute the teacher with a target forward at update time.")
+LOSS = flags.DEFINE_enum("loss", "fkl", list(losses.NAMES), "Divergence.")
+LOSS_BETA = flags.DEFINE_float("loss_beta", 0.5, "Weight of the generalised JSD.")
+LOSS_TEMPERATURE = flags.DEFINE_float("loss_temperature", 1.0, "Distillation temperature.")
+LOSS_WEIGHTING = flags.DEFINE_enum(
+    "loss_weighting", "all", ["corrected", "all"],
+    "Distil on every generated token, or on corrected/bonus tokens only (paper).")
+OPTIMIZER = flags.DEFINE_enum("optimizer", "adamw", ["adamw", "adam", "sgd"], "Optimizer.")
+LEARNING_RATE = flags.DEFINE_float(
+    "learning_rate", 1e-3, "Draft learning rate. The paper used 1e-4; drafts cut"
+    " from SmolLM2 learn far faster at 1e-3 (see README).")
+CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.")
+WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
+
+
+def online_fields(**distill_extra) -> dict:
+  """OnlineConfig's learning fields from these flags; `distill_extra` adds
+  DistillConfig fields of the caller's own flags (a schedule, say)."""
+  return dict(
+      train_len=TRAIN_LEN.value, update_interval=UPDATE_INTERVAL.value,
+      update_steps=UPDATE_STEPS.value, buffer_capacity=BUFFER_CAPACITY.value,
+      clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,
+      loss_weighting=LOSS_WEIGHTING.value,
+      distill=DistillConfig(
+          loss=LOSS.value, beta=LOSS_BETA.value, temperature=LOSS_TEMPERATURE.value,
+          optimizer=OPTIMIZER.value, learning_rate=LEARNING_RATE.value,
+          weight_decay=WEIGHT_DECAY.value, clip_norm=CLIP_NORM.value, **distill_extra))
