@@ -258,6 +258,28 @@ def test_refilled_slot_keeps_no_trace_of_its_last_request(model):
   assert 0 < alone.metrics["acceptance_rate"] < 1  # the draft cache mattered
 
 
+def test_generate_hands_a_freed_slot_back_at_once_when_requests_wait(model):
+  """With `refill`, a call ends in the step a slot finishes, not after `steps`."""
+  engine = Engine(model, max_new_tokens=MAX_NEW, num_slots=2)
+  cfg = engine.slot_config(64)
+  target_params, draft_params = engine._params()  # pylint: disable=protected-access
+  prompt = jnp.asarray([PROMPTS[1] + [0] * (64 - len(PROMPTS[1]))])
+
+  def after_one_call(refill):
+    state = slots.init(cfg)
+    for slot, budget in enumerate((3, MAX_NEW)):
+      state = slots.insert(target_params, draft_params, state, prompt,
+                           jnp.int32(len(PROMPTS[1])), jnp.int32(budget),
+                           jnp.int32(slot), jax.random.key(slot), cfg=cfg)
+    state = slots.generate(target_params, draft_params, state, refill, cfg=cfg,
+                           steps=8, window=64)
+    return np.asarray(state.done).tolist(), np.asarray(state.num_generated).tolist()
+
+  # Target-only: one token a step. The short request ends with its 3rd token.
+  assert after_one_call(True) == ([True, False], [3, 3])
+  assert after_one_call(False) == ([True, False], [3, 8])
+
+
 class CompileCounter:
   """Backend compiles, from jax.monitoring events."""
 

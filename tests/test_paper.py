@@ -39,7 +39,7 @@ def test_main(models, sources, tmp_path):
   assert set(results) == set(SETTINGS.domains)
   for domain, r in results.items():
     assert f"| {domain} |" in table
-    assert {"derived", "offline", "online"} <= set(r["eval"])
+    assert {"before", "offline", "online"} <= set(r["eval"])
     assert all(0 <= e["alpha"] <= 1 for e in r["eval"].values())
     assert len(r["online_curve"]) == SETTINGS.num_train
     assert r["offline_loss"][-1] < r["offline_loss"][0]
@@ -48,7 +48,7 @@ def test_main(models, sources, tmp_path):
 
 def test_shift(models, sources, tmp_path):
   results, table = run("shift", models, sources, tmp_path)
-  expected = ["static 0% (derived)"] + [f"static {f:.0%}" for f in SETTINGS.fractions]
+  expected = ["static 0% (before)"] + [f"static {f:.0%}" for f in SETTINGS.fractions]
   assert list(results["curves"]) == expected + ["online"]
   stream_length = SETTINGS.segment_length * len(SETTINGS.domains)
   assert all(len(c) == stream_length for c in results["curves"].values())

@@ -1,8 +1,10 @@
 """The paper's experiments on the embedded default: each writes a table and a figure.
 
-- main (main_table.py): per data set, alpha of the derived draft, of the draft
-  distilled offline on the stream's queries, and of the online draft (its
-  last window on the stream, and its final weights on the held-out prompts).
+- main (main_table.py): per data set, alpha of the starting draft (by
+  default the derived draft warm-started on chat text, as the paper's drafts
+  were pretrained), of the draft distilled offline on the stream's queries,
+  and of the online draft (its last window on the stream, and its final
+  weights on the held-out prompts).
 - shift: a sharp-shift stream served by the online draft and by static drafts
   distilled in advance on 0/30/50/70/100 % of each segment.
 - categories: one draft per category (language or topic) versus one shared.

@@ -4,6 +4,7 @@
   python -m experiments.paper --experiment=shift --quick --output_dir=/tmp/shift
 """
 
+import dataclasses
 import os
 
 from absl import flags
@@ -22,9 +23,15 @@ def main(argv):
                       os.path.expanduser(flags.FLAGS.compilation_cache))
   target = model_flags.load_target()
   draft = model_flags.load_draft_model(target)  # offline distillation: a model draft
+  if model_flags.WARM_START.value == "chat":  # the paper's drafts were pretrained
+    warm = model_flags.load_draft(target, kind=model_flags.DRAFT.value, hybrid=False)
+    draft = dataclasses.replace(draft, params=warm.params, source=warm.source)
   print(f"target {target.source}\ndraft {draft.source}\n{settings}")
   run(flags.FLAGS.experiment, target, draft, settings, flags.FLAGS.output_dir)
 
+
+# The starting draft, as the main job's: warm-started on chat text.
+flags.set_default(model_flags.WARM_START, "chat")
 
 if __name__ == "__main__":
   define_flags()

@@ -28,7 +28,7 @@ def run_categories(lab: Lab) -> dict:
   rows.append(["all", len(reqs), float(np.mean(static)),
                last_window(shared, window * len(cats)),
                last_window(per_cat, window * len(cats))])
-  table = markdown([s.category_key, "requests", "static (derived)",
+  table = markdown([s.category_key, "requests", "static (before)",
                     "one shared draft (last window)",
                     "one draft per category (last window)"], rows)
   notes = (f"{s.category_key} categories {cats} of {list(s.category_domains)},"

@@ -68,7 +68,7 @@ class Lab:
 
 
 def domain_drafts(lab: Lab, domain: str):
-  """Derived, offline and online drafts of one data set, and its eval prompts."""
+  """The starting, offline and online drafts of one data set, and its eval prompts."""
   s = lab.settings
   _, eval_ids = lab.requests("single", [domain], s.num_eval, EVAL)
   train_reqs, train_ids = lab.requests("single", [domain], s.num_train, TRAIN)
@@ -78,7 +78,7 @@ def domain_drafts(lab: Lab, domain: str):
                            s.offline_config(), seed=s.seed, log=lab.log)
   lab.log(f"[{domain}] online on the same {len(train_reqs)} requests")
   records, state = lab.online(f"online_{domain}", train_reqs)
-  drafts = {"derived": lab.draft.params, "offline": result.params,
+  drafts = {"before": lab.draft.params, "offline": result.params,
             "online": jax.tree.map(lambda x: x[0], state.draft_params)}
   info = {"offline_loss": [result.loss_before] + result.epoch_losses,
           "online_last_window": last_window(records, s.window),

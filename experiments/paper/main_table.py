@@ -11,7 +11,7 @@ PAPER_MAIN = {"sql": ("Spider", 0.28, 0.76, 0.74), "math": ("GSM8K", 0.58, 0.75,
 
 
 def run_main(lab: Lab) -> dict:
-  """Per data set: the derived, offline and online drafts' alpha."""
+  """Per data set: the starting, offline and online drafts' alpha."""
   s = lab.settings
   rows, results = [], {}
   for domain in s.domains:
@@ -21,7 +21,7 @@ def run_main(lab: Lab) -> dict:
                                            if k not in ("alpha_per_request", "indices")}
                                        for n, e in evals.items()})
     published = PAPER_MAIN.get(domain)
-    rows.append([domain, evals["derived"]["alpha"], evals["offline"]["alpha"],
+    rows.append([domain, evals["before"]["alpha"], evals["offline"]["alpha"],
                  info["online_last_window"], evals["online"]["alpha"],
                  "/".join(f"{x:.2f}" for x in published[1:]) + f" ({published[0]})"
                  if published else "-"])
@@ -32,7 +32,7 @@ def run_main(lab: Lab) -> dict:
            f" {s.num_train} requests once, an update every {s.update_interval};"
            f" last window = last {s.window} requests; eval: {s.num_eval}"
            " held-out prompts.")
-  write(lab, "main", "Alpha per data set: derived, offline, online", table, notes,
+  write(lab, "main", "Alpha per data set: before, offline, online", table, notes,
         results)
   bars([r[0] for r in rows], {"before": [r[1] for r in rows],
                               "offline": [r[2] for r in rows],

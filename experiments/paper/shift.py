@@ -26,7 +26,7 @@ def run_shift(lab: Lab) -> dict:
   lab.log(f"[shift] collecting teacher data on all {len(ids)} requests")
   data = offline.collect(lab.target.params, lab.target.config, lab.draft.params,
                          lab.draft.config, ids, cfg, seed=s.seed, log=lab.log)
-  curves = {"static 0% (derived)": lab.alpha(lab.draft.params, ids)["alpha_per_request"]}
+  curves = {"static 0% (before)": lab.alpha(lab.draft.params, ids)["alpha_per_request"]}
   for fraction in s.fractions:
     rows = np.concatenate([seg[:max(1, round(fraction * len(seg)))]
                            for _, seg in segments])

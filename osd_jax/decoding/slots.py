@@ -102,12 +102,26 @@ def insert(target_params, draft_params, state: SpecState, prompt_1xP, prompt_len
                      budget, slot, key, cfg=cfg)[0]
 
 
-def decode_loop(step_fn, state, carry, steps: int):
-  """Up to `steps` calls of step_fn(state, carry) -> (state, carry), stopping early
-  when every slot is done."""
+def decode_loop(step_fn, state, carry, steps: int, refill=False,
+                axis_name: str | None = None):
+  """Up to `steps` calls of step_fn(state, carry) -> (state, carry).
+
+  It stops early when every slot is done, and, when `refill` (the host has
+  requests waiting), as soon as any slot finishes: a freed slot then waits
+  for the host only until the step it finished in, not the call's last one.
+  Over a mesh (`axis_name`) every device stops at the same step, so the call
+  boundaries, and the learning that follows them, do not depend on the mesh.
+  """
+  was_done = state.done
+
   def cond(c):
     i, state, _ = c
-    return (i < steps) & ~jnp.all(state.done)
+    finished = jnp.any(state.done & ~was_done)
+    busy = jnp.any(~state.done)
+    if axis_name is not None:
+      finished = jax.lax.psum(finished.astype(jnp.int32), axis_name) > 0
+      busy = jax.lax.psum(busy.astype(jnp.int32), axis_name) > 0
+    return (i < steps) & busy & ~(refill & finished)
 
   def body(c):
     i, state, carry = c
@@ -120,14 +134,15 @@ def decode_loop(step_fn, state, carry, steps: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "window"),
                    donate_argnames=("state",))
-def generate(target_params, draft_params, state: SpecState, *, cfg: SlotConfig,
-             steps: int, window: int) -> SpecState:
-  """The generate verb: up to `steps` speculative steps over every slot."""
+def generate(target_params, draft_params, state: SpecState, refill=False, *,
+             cfg: SlotConfig, steps: int, window: int) -> SpecState:
+  """The generate verb: up to `steps` speculative steps over every slot, fewer
+  when `refill` and a slot finishes (see decode_loop)."""
   step = functools.partial(
       speculative.speculate_and_verify, target_params, draft_params,
       target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
       sampling=cfg.sampling, window=window)
-  state, _ = decode_loop(lambda s, c: (step(s)[0], c), state, (), steps)
+  state, _ = decode_loop(lambda s, c: (step(s)[0], c), state, (), steps, refill)
   return state
 
 

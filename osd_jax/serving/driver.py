@@ -292,7 +292,8 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
     window = cfg.window(int(lengths[occupied].max()))
     call_start = time.perf_counter()
     state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
-                            window=window)
+                            window=window,
+                            refill=host.next_request < len(queries))
     out = distributed.gather(out)
     for record in collect(out):
       on_request(record)

@@ -317,7 +317,8 @@ class LiveEngine:
     window = self.cfg.window(int(self._lengths[occupied].max()))
     # The call's StepOutput is not needed: the state holds the update counts.
     self._state, _ = self._step.serve(self._target_params, self._state,
-                                      steps=self.cfg.steps_per_call, window=window)
+                                      steps=self.cfg.steps_per_call, window=window,
+                                      refill=bool(self._pending))
     slots = self._state.slots
     done, lengths, prompt_lens, tokens, updates, skipped, loss = distributed.gather(
         (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,

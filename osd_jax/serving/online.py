@@ -16,6 +16,7 @@ import functools
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -263,10 +264,14 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
   return state, StepOutput(jnp.stack(did), jnp.stack(losses), jnp.stack(skips))
 
 
-def serve_and_learn(target_params, state: OnlineState, *, target_config, drafter,
-                    cfg: OnlineConfig, steps: int, window: int,
-                    axis_name: str | None = None):
-  """One device's call: decode its slots, then buffer and learn (shard_map body)."""
+def serve_and_learn(target_params, state: OnlineState, refill=False, *,
+                    target_config, drafter, cfg: OnlineConfig, steps: int,
+                    window: int, axis_name: str | None = None):
+  """One device's call: decode its slots, then buffer and learn (shard_map body).
+
+  With `refill` (requests are waiting) decoding stops at the first step in
+  which a slot finishes, on every device (slots.decode_loop).
+  """
   drafter = multi(drafter, cfg)
   target_params = llama.for_decoding(target_params, target_config)
   draft_params = drafter.prepare(state.draft_params, target_params)
@@ -281,7 +286,8 @@ def serve_and_learn(target_params, state: OnlineState, *, target_config, drafter
       records = records.record(result, corrected_only=corrected_only)
     return slots, records
 
-  slots, records = slot_lib.decode_loop(step, state.slots, state.records, steps)
+  slots, records = slot_lib.decode_loop(step, state.slots, state.records, steps,
+                                        refill, axis_name)
   state = state.replace(slots=slots, records=records)
   nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool),
                        jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32),
@@ -312,16 +318,19 @@ class Step:
         out_specs=_STATE_SPECS, check_vma=False), donate_argnums=(1,))
     self._serve = {}
 
-  def serve(self, target_params, state: OnlineState, *, steps: int, window: int):
-    """Up to `steps` speculative steps over every slot; one program per window."""
+  def serve(self, target_params, state: OnlineState, *, steps: int, window: int,
+            refill: bool = False):
+    """Up to `steps` speculative steps over every slot (fewer with `refill`,
+    see serve_and_learn); one program per window."""
     if (steps, window) not in self._serve:
       body = functools.partial(serve_and_learn, **self.statics, steps=steps,
                                window=window, axis_name=AXIS)
       self._serve[steps, window] = jax.jit(jax.shard_map(
-          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS),
+          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P()),
           out_specs=(_STATE_SPECS, StepOutput(P(), P(), P())), check_vma=False),
           donate_argnums=(1,))
-    return self._serve[steps, window](target_params, state)
+    refill = distributed.replicate(np.bool_(refill), self.mesh)
+    return self._serve[steps, window](target_params, state, refill)
 
 
 @functools.lru_cache(maxsize=16)
