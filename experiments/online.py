@@ -38,7 +38,8 @@ SLOTS = flags.DEFINE_integer(
     "slots", 1, "Decode slots (requests in flight), all devices. 1 is the"
     " latency regime where speculation pays on a CPU; see README for 8.")
 STEPS_PER_CALL = flags.DEFINE_integer(
-    "steps_per_call", 8, "Speculative steps per compiled call between slot refills.")
+    "steps_per_call", 8, "Most speculative steps per compiled call between slot"
+    " refills; a call ends sooner when a slot finishes and requests wait.")
 DEVICES = flags.DEFINE_string("devices", "all", "'all' or how many local devices.")
 CHAT = flags.DEFINE_bool("chat", True, "Wrap queries in the chat template.")
 RUNS = flags.DEFINE_list(
