@@ -56,13 +56,23 @@ def test_a_change_rebuilds(tmp_path, change):
   if change == "setting":
     cfg = dataclasses.replace(CFG, epochs=1)
   elif change == "target":
-    target = dataclasses.replace(target, source="another target")
+    target = dataclasses.replace(target, params=jax.tree.map(lambda x: x * 1.01,
+                                                             target.params))
   else:
     draft = dataclasses.replace(draft, params=jax.tree.map(lambda x: x * 1.01,
                                                            draft.params))
   _, lines = build(tmp_path, target, draft, cfg)
   assert any("distilling" in line for line in lines)
   assert len(os.listdir(tmp_path)) == 2
+
+
+def test_the_same_weights_elsewhere_reuse_the_cache(tmp_path):
+  target, draft = model_draft()
+  build(tmp_path, target, draft)
+  moved = dataclasses.replace(target, source="/another/folder/model.gguf")
+  _, lines = build(tmp_path, moved, dataclasses.replace(draft, source="moved"))
+  assert any("cached draft" in line for line in lines)
+  assert len(os.listdir(tmp_path)) == 1
 
 
 @pytest.mark.parametrize("damage", ["flip_bytes", "truncate", "meta"])

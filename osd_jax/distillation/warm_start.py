@@ -5,8 +5,8 @@ It plays the part of the paper's pretrained drafts (which began at alpha
 target's own teacher-forced distributions (top-k) and features. No
 generation is needed, so most of the cost is one target forward per
 sequence. The result is cached under ~/.cache/osd_jax/warm_start, keyed by
-the target, the draft kind and these settings; a cache that fails its
-checksum is reported and rebuilt, never used.
+the target's and draft's weights, the draft kind and these settings; a
+cache that fails its checksum is reported and rebuilt, never used.
 """
 
 import dataclasses
@@ -49,16 +49,24 @@ def default_cache_root() -> str:
   return os.path.join(os.path.expanduser("~"), ".cache", "osd_jax", "warm_start")
 
 
+def _weights_digest(params) -> list:
+  """Shapes and absolute sums of the weights: what they are, not where they live."""
+  leaves = jax.tree.leaves(params)
+  return [[list(x.shape) for x in leaves],
+          float(sum(float(jnp.sum(jnp.abs(x))) for x in leaves))]
+
+
 def cache_key(target: LoadedModel, draft: Draft, cfg: WarmStartConfig) -> str:
-  """A digest of everything the starting draft depends on."""
-  leaves = jax.tree.leaves(draft.params)
+  """A digest of everything the starting draft depends on.
+
+  Weights enter by content, not by file path: the same target in another
+  folder (a fresh clone) reuses the cache, changed weights rebuild it.
+  """
   described = {
-      "version": _VERSION, "target": target.source,
-      "target_config": dataclasses.asdict(target.config),
-      "drafter": repr(draft.drafter), "draft_source": draft.source,
-      "draft_shapes": [list(x.shape) for x in leaves],
-      # The starting weights themselves (a changed draft checkpoint rebuilds).
-      "draft_sum": float(sum(float(jnp.sum(jnp.abs(x))) for x in leaves)),
+      "version": _VERSION, "target_config": dataclasses.asdict(target.config),
+      "target_weights": _weights_digest(target.params),
+      "drafter": repr(draft.drafter),
+      "draft_weights": _weights_digest(draft.params),
       "settings": dataclasses.asdict(cfg)}
   text = json.dumps(described, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
