@@ -98,10 +98,16 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   else:
     model = load_draft_model(target, kind)
     draft = drafts.Draft(drafts.ModelDraft(model.config), model.params, model.source)
-  if WARM_START.value == "chat":
-    draft = warm_start.load_or_build(target, draft, warm_start.WarmStartConfig(
-        conversations=WARM_START_CONVERSATIONS.value, epochs=WARM_START_EPOCHS.value))
+  draft = warm_started(target, draft)
   if hybrid:
     return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
                         f"{draft.source} + ngram")
   return draft
+
+
+def warm_started(target: loading.LoadedModel, draft: drafts.Draft) -> drafts.Draft:
+  """The draft warm-started on chat text when --warm_start=chat, else as it is."""
+  if WARM_START.value != "chat":
+    return draft
+  return warm_start.load_or_build(target, draft, warm_start.WarmStartConfig(
+      conversations=WARM_START_CONVERSATIONS.value, epochs=WARM_START_EPOCHS.value))

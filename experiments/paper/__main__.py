@@ -13,6 +13,7 @@ import jax
 from experiments import cli, model_flags
 from experiments.paper import define_flags, run, settings_from_flags
 from experiments.paper import settings as settings_module
+from osd_jax.decoding.drafts import Draft, ModelDraft
 
 
 def main(argv):
@@ -23,9 +24,10 @@ def main(argv):
                       os.path.expanduser(flags.FLAGS.compilation_cache))
   target = model_flags.load_target()
   draft = model_flags.load_draft_model(target)  # offline distillation: a model draft
-  if model_flags.WARM_START.value == "chat":  # the paper's drafts were pretrained
-    warm = model_flags.load_draft(target, kind=model_flags.DRAFT.value, hybrid=False)
-    draft = dataclasses.replace(draft, params=warm.params, source=warm.source)
+  # The paper's drafts were pretrained: start from the warm start (if asked).
+  warm = model_flags.warm_started(
+      target, Draft(ModelDraft(draft.config), draft.params, draft.source))
+  draft = dataclasses.replace(draft, params=warm.params, source=warm.source)
   print(f"target {target.source}\ndraft {draft.source}\n{settings}")
   run(flags.FLAGS.experiment, target, draft, settings, flags.FLAGS.output_dir)
 

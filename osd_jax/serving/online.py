@@ -317,6 +317,9 @@ class Step:
         in_specs=(P(), _STATE_SPECS, row, row, row, row, row, row, row),
         out_specs=_STATE_SPECS, check_vma=False), donate_argnums=(1,))
     self._serve = {}
+    # The refill flag as the programs take it, placed once, not every call.
+    self._refill = {flag: distributed.replicate(np.bool_(flag), mesh)
+                    for flag in (False, True)}
 
   def serve(self, target_params, state: OnlineState, *, steps: int, window: int,
             refill: bool = False):
@@ -329,8 +332,8 @@ class Step:
           body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P()),
           out_specs=(_STATE_SPECS, StepOutput(P(), P(), P())), check_vma=False),
           donate_argnums=(1,))
-    refill = distributed.replicate(np.bool_(refill), self.mesh)
-    return self._serve[steps, window](target_params, state, refill)
+    program = self._serve[steps, window]
+    return program(target_params, state, self._refill[bool(refill)])
 
 
 @functools.lru_cache(maxsize=16)
