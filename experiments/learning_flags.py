@@ -33,6 +33,9 @@ LEARNING_RATE = flags.DEFINE_float(
     " from SmolLM2 learn far faster at 1e-3 (see README).")
 CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.")
 WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
+TRAIN_EMBEDDING = flags.DEFINE_bool(
+    "train_embedding", False, "Train the draft's token embedding online too"
+    " (off: it stays as it started, with no gradient or optimizer state).")
 
 
 def online_fields(**distill_extra) -> dict:
@@ -46,4 +49,5 @@ def online_fields(**distill_extra) -> dict:
       distill=DistillConfig(
           loss=LOSS.value, beta=LOSS_BETA.value, temperature=LOSS_TEMPERATURE.value,
           optimizer=OPTIMIZER.value, learning_rate=LEARNING_RATE.value,
-          weight_decay=WEIGHT_DECAY.value, clip_norm=CLIP_NORM.value, **distill_extra))
+          weight_decay=WEIGHT_DECAY.value, clip_norm=CLIP_NORM.value,
+          train_embedding=TRAIN_EMBEDDING.value, **distill_extra))

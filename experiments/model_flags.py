@@ -1,5 +1,7 @@
 """Flags that pick the target and draft models, shared by every experiment."""
 
+import dataclasses
+
 from absl import flags, logging
 import jax
 
@@ -32,6 +34,11 @@ WARM_START = flags.DEFINE_enum(
 WARM_START_CONVERSATIONS = flags.DEFINE_integer(
     "warm_start_conversations", 800, "Chat conversations the warm start reads.")
 WARM_START_EPOCHS = flags.DEFINE_integer("warm_start_epochs", 2, "Warm-start epochs.")
+DRAFT_CONFIDENCE = flags.DEFINE_float(
+    "draft_confidence_threshold", 0.0,
+    "A model draft stops proposing in a step after a token it gave less than"
+    " this probability (Hugging Face's assistant_confidence_threshold); 0"
+    " always drafts k tokens.")
 EAGLE_ROLLOUT = flags.DEFINE_integer(
     "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.")
 NGRAM_MAX = flags.DEFINE_integer("ngram_max", 3, "Longest suffix n-gram looked up.")
@@ -99,6 +106,13 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
     model = load_draft_model(target, kind)
     draft = drafts.Draft(drafts.ModelDraft(model.config), model.params, model.source)
   draft = warm_started(target, draft)
+  if DRAFT_CONFIDENCE.value:
+    if not isinstance(draft.drafter, drafts.ModelDraft):
+      raise ValueError("--draft_confidence_threshold applies to model drafts"
+                       " (derived or a checkpoint), not --draft=eagle.")
+    # After the warm start: serving-only, so it does not key the cache.
+    draft = dataclasses.replace(draft, drafter=dataclasses.replace(
+        draft.drafter, confidence_threshold=DRAFT_CONFIDENCE.value))
   if hybrid:
     return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
                         f"{draft.source} + ngram")

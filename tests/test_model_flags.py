@@ -1,4 +1,5 @@
-"""Model flags: --dtype=bfloat16 on a CPU backend warns that float32 is faster."""
+"""Model flags: --dtype=bfloat16 on a CPU backend warns that float32 is faster;
+the draft flags reach the drafter."""
 
 from absl.testing import flagsaver
 import jax
@@ -6,6 +7,8 @@ import pytest
 
 from experiments import model_flags
 from osd_jax.checkpoints import loading
+from osd_jax.decoding import drafts
+from tests.test_generation import tiny_model
 
 
 @pytest.fixture
@@ -28,3 +31,16 @@ def test_bfloat16_on_cpu_warns(no_loading, caplog, dtype, warns):
     assert "bfloat16" in warnings[0] and "float32 is much faster" in warnings[0]
   else:
     assert not warnings
+
+
+def test_the_confidence_threshold_reaches_the_model_draft():
+  target = tiny_model()
+  saved = dict(draft="derived", draft_layers=["0"], draft_head_vocab=0,
+               warm_start="none", hybrid=True, draft_confidence_threshold=0.6)
+  with flagsaver.flagsaver(**saved):
+    draft = model_flags.load_draft(target)
+  assert isinstance(draft.drafter, drafts.HybridDraft)
+  assert draft.drafter.base.confidence_threshold == 0.6
+  with flagsaver.flagsaver(**dict(saved, draft="eagle", hybrid=False)):
+    with pytest.raises(ValueError, match="applies to model drafts"):
+      model_flags.load_draft(target)

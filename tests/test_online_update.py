@@ -374,3 +374,18 @@ def test_weight_decay_is_applied_or_refused(optimizer):
     return  # refused: fine
   without = flat(first_updates(dataclasses.replace(cfg, weight_decay=0.0))[0])
   assert not np.allclose(with_decay, without)
+
+
+def test_the_embedding_learns_only_when_asked():
+  """Frozen by default: no change, and no optimizer moments for it."""
+  buffer, _ = make_buffer(teacher_k=8)
+  sizes = {}
+  for train in (False, True):
+    cfg = dataclasses.replace(CFG, train_embedding=train)
+    params, opt_state = start(cfg)
+    new, _, _, skipped = learn(params, opt_state, buffer, cfg)
+    assert int(skipped) == 0
+    assert not tree_equal(new["layers"], params["layers"])
+    assert tree_equal(new["embed"], params["embed"]) == (not train)
+    sizes[train] = sum(x.size for x in jax.tree.leaves(opt_state))
+  assert sizes[True] - sizes[False] == 2 * params["embed"].size  # Adam's two moments

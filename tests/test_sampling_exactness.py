@@ -6,7 +6,8 @@ with the target's exact distribution, enumerated from its logits. Rejection
 sampling is exact for any draft, so every draft kind must pass: a model cut
 from the target, an independent random model, one whose head covers half the
 vocabulary (q = their softmax), the n-gram draft (q one-hot at the copied
-token, or no proposal at all), the hybrid of the two, and k = 0 (no draft).
+token, or no proposal at all), the hybrid of the two, a draft that stops
+early after an unlikely draw, and k = 0 (no draft).
 Wrong rules run through the same harness must fail.
 
 Bound on the total variation TV = 1/2 sum_i |f_i - p_i| of the empirical
@@ -215,6 +216,18 @@ def test_ngram_draft_stays_exact(target):
   assert NGramDraft(V).lookup(ctx, 2)[0].tolist() == [[COPIED, PROMPT[-1]]]
   samples, metrics = sample(target, *ngram_draft(), k, sampling)
   assert 0 < metrics.accepted < metrics.proposed < k * metrics.target_calls
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+def test_confident_draft_stays_exact(target, draft):
+  """Proposals that stop after an unlikely draw: their length is the draft's
+  own doing, so the rule stays exact."""
+  sampling, k = SETTINGS[0]
+  p = exact_distribution(target, sampling)
+  confident = ModelDraft(draft.config, confidence_threshold=0.3)
+  samples, metrics = sample(target, confident, draft.params, k, sampling)
+  # Both whole and cut-short proposals occurred.
+  assert metrics.target_calls < metrics.proposed < k * metrics.target_calls
   assert empirical_tv(samples, p) < tv_bound(p)
 
 

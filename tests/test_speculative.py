@@ -27,6 +27,7 @@ start = jax.jit(speculative.start, static_argnames=(
 step = jax.jit(speculative.speculate_and_verify, static_argnames=(
     "target_config", "drafter", "k", "sampling", "window"))
 CACHE = 64
+CONFIDENCE = 0.1  # a threshold the tiny draft's draws fall on both sides of
 
 
 def pad(rows, width):
@@ -92,12 +93,23 @@ def drafts(target):
       "restricted": draft_lib.derive(target, [0, 1], head),
       "ngram": ngram_draft(target),
       "hybrid": hybrid_draft(draft_lib.derive(target, [0])),
+      "confident": confident(derived),
+      "hybrid_confident": Draft(
+          HybridDraft(confident(derived).drafter, NGramDraft(VOCAB)),
+          derived.params, "hybrid, confident"),
   }
+
+
+def confident(draft, threshold=CONFIDENCE):
+  """The model draft, stopping each row's proposal after an unlikely draw."""
+  return Draft(ModelDraft(draft.config, confidence_threshold=threshold),
+               draft.params, f"{draft.source}, confidence {threshold}")
 
 
 @pytest.mark.parametrize("draft_name, k", [
     ("derived", 1), ("derived", 3), ("derived", 5), ("independent", 3),
-    ("restricted", 2), ("ngram", 1), ("ngram", 4), ("hybrid", 2), ("hybrid", 4)])
+    ("restricted", 2), ("ngram", 1), ("ngram", 4), ("hybrid", 2), ("hybrid", 4),
+    ("confident", 4), ("hybrid_confident", 4)])
 def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
                                                  draft_name, k):
   results = run(target, drafts(target)[draft_name], prompts, k)
@@ -105,8 +117,10 @@ def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
   proposed, accepted = total(results, "proposed"), total(results, "accepted")
   if draft_name in ("derived", "ngram", "hybrid"):  # accept and reject paths ran
     assert 0 < accepted < proposed
-  if draft_name == "ngram":  # some steps had no match: nothing proposed
+  if draft_name in ("ngram", "confident"):  # some steps proposed fewer than k
     assert proposed < k * total(results, "target_calls")
+  if draft_name == "confident":  # and some more than one
+    assert proposed > total(results, "target_calls")
 
 
 def test_identical_draft_accepts_everything_greedy(target, target_greedy, prompts):
@@ -221,6 +235,41 @@ def test_hybrid_proposes_ngram_where_matched_and_the_draft_elsewhere(target):
                                 jax.nn.one_hot(copied[hot], VOCAB))
   np.testing.assert_array_equal(mixed.tokens[~hot], own.tokens[~hot])
   np.testing.assert_allclose(mixed.logits[~hot], own.logits[~hot], atol=1e-5)
+
+
+def test_a_confident_draft_stops_after_its_first_unlikely_draw(target):
+  """Row b proposes draws up to and including the first with q < threshold."""
+  k, sampling = 4, Sampling(temperature=1.2)
+  draft = draft_lib.derive(target, [0])
+  rows = [row for row, _, _ in HAND_BUILT[:3]] + [[10, 11, 12], [3, 4, 5, 6, 7]]
+  ctx = lookup_context(rows)
+  keys = speculative.row_keys(jax.random.key(1), len(rows))
+
+  def propose(drafter):
+    params = drafter.prepare(draft.params)
+    cache = jax.jit(drafter.prefill)(params, drafter.init_state(len(rows), 24),
+                                     ctx.tokens, ctx.lengths + 1)
+    return jax.jit(functools.partial(drafter.propose, k=k, sampling=sampling,
+                                     window=None))(params, cache, ctx, keys)[0]
+
+  full = propose(ModelDraft(draft.config))
+  q_x = np.take_along_axis(np.asarray(sampling.probs(full.logits)),
+                           np.asarray(full.tokens)[..., None], axis=2)[..., 0]
+  threshold = float(np.median(q_x[:, :k - 1]))  # both outcomes occur
+  unlikely = q_x[:, :k - 1] < threshold
+  expected = np.where(unlikely.any(1), unlikely.argmax(1) + 1, k)
+  assert 1 <= expected.min() < expected.max() <= k
+  short = propose(ModelDraft(draft.config, confidence_threshold=threshold))
+  np.testing.assert_array_equal(short.num_proposed, expected)
+  for row, count in enumerate(expected):
+    np.testing.assert_array_equal(short.tokens[row, :count], full.tokens[row, :count])
+    np.testing.assert_allclose(short.logits[row, :count], full.logits[row, :count],
+                               atol=1e-5)
+
+
+def test_a_confidence_threshold_must_be_a_probability():
+  with pytest.raises(ValueError, match="confidence threshold"):
+    ModelDraft(tiny_model().config, confidence_threshold=1.0)
 
 
 # --- one step at a time -------------------------------------------------------

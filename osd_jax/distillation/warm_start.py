@@ -42,7 +42,9 @@ class WarmStartConfig:
   batch_size: int = 8
   teacher_k: int = 32
   data_seed: int = 0
-  distill: update.DistillConfig = update.DistillConfig(learning_rate=1e-3)
+  # A general start, like a pretrained draft, may also move its embedding.
+  distill: update.DistillConfig = update.DistillConfig(learning_rate=1e-3,
+                                                       train_embedding=True)
 
 
 def default_cache_root() -> str:

@@ -136,6 +136,8 @@ def apply_forced(proposal: Proposal, forced: Forced | None,
     return proposal
   row = forced.is_forced[:, None]
   return proposal.replace(
+      num_proposed=jnp.where(forced.is_forced, forced.tokens.shape[1],
+                             proposal.num_proposed),
       tokens=jnp.where(row, forced.tokens, proposal.tokens),
       logits=jnp.where(row[..., None], one_hot_logits(forced.tokens, vocab_size),
                        proposal.logits))

@@ -5,6 +5,12 @@ A proposal feeds c_m, then each draw; commit re-reads what verification
 kept (the target's own input [c_m, x_1..x_k]) from position m, so the cache
 is right whatever was proposed, or whether the draft proposed at all (the
 hybrid skips it when n-gram lookup covers every row). Rollback is a length.
+
+With a confidence threshold (Hugging Face's `assistant_confidence_threshold`)
+a row stops drafting after a token its draft gave less than that probability:
+later draws would most likely be thrown away, so the step saves their draft
+passes. The stop depends only on the draft's own draws, so rejection sampling
+stays exact.
 """
 
 import dataclasses
@@ -27,6 +33,13 @@ class ModelDraft:
 
   config: LlamaConfig
   needs_hidden: bool = False
+  # Stop a row's proposal after a draw of lower probability (0: always k).
+  confidence_threshold: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.confidence_threshold < 1.0:
+      raise ValueError("The draft confidence threshold must be in [0, 1), got"
+                       f" {self.confidence_threshold}.")
 
   def prepare(self, params, target_params=None):
     return llama.for_decoding(params, self.config)
@@ -45,19 +58,46 @@ class ModelDraft:
               sampling: Sampling, window, forced: Forced | None = None):
     """k draws, each fed back (or the forced token, for the hybrid's rows)."""
     pick = token_picker(rng_B, k, sampling, forced)
+    cache = cache.with_lengths(ctx.lengths)
 
-    def step(carry, i):
-      token, cache = carry
+    def draw(i, token, cache):
       logits, cache = llama.apply(params, self.config, token[:, None], cache,
                                   window=window)
-      nxt = pick(i, logits[:, 0])
-      return (nxt, cache), (nxt, logits[:, 0])
+      return pick(i, logits[:, 0]), logits[:, 0], cache
 
-    (_, cache), (tokens, logits) = jax.lax.scan(
-        step, (ctx.last_token, cache.with_lengths(ctx.lengths)), jnp.arange(k))
-    proposal = Proposal(tokens.T, jnp.swapaxes(logits, 0, 1),
-                        jnp.full(ctx.lengths.shape, k, jnp.int32))
+    if self.confidence_threshold:
+      proposal, cache = self._draw_while_confident(draw, ctx.last_token, cache, k,
+                                                   sampling, forced)
+    else:
+      def step(carry, i):
+        nxt, logits, cache = draw(i, *carry)
+        return (nxt, cache), (nxt, logits)
+
+      (_, cache), (tokens, logits) = jax.lax.scan(
+          step, (ctx.last_token, cache), jnp.arange(k))
+      proposal = Proposal(tokens.T, jnp.swapaxes(logits, 0, 1),
+                          jnp.full(ctx.lengths.shape, k, jnp.int32))
     return apply_forced(proposal, forced, self.config.vocab_size), cache
+
+  def _draw_while_confident(self, draw, token, cache, k: int, sampling, forced):
+    """Up to k draws; the loop ends when no row is still confident."""
+    b = token.shape[0]
+    going = jnp.ones((b,), bool) if forced is None else ~forced.is_forced
+    init = (jnp.int32(0), token, cache, jnp.zeros((b, k), jnp.int32),
+            jnp.zeros((b, k, self.config.vocab_size), jnp.float32),
+            jnp.zeros((b,), jnp.int32), going)
+
+    def body(carry):
+      i, token, cache, tokens, logits, counts, going = carry
+      nxt, step_logits, cache = draw(i, token, cache)
+      q_x = jnp.take_along_axis(sampling.probs(step_logits), nxt[:, None], axis=1)[:, 0]
+      return (i + 1, nxt, cache, tokens.at[:, i].set(nxt),
+              logits.at[:, i].set(step_logits), counts + going,
+              going & (q_x >= self.confidence_threshold))
+
+    _, _, cache, tokens, logits, counts, _ = jax.lax.while_loop(
+        lambda c: (c[0] < k) & c[-1].any(), body, init)
+    return Proposal(tokens, logits, counts), cache
 
   def commit(self, params, cache: KVCache, verified, window) -> KVCache:
     """Re-reads the kept positions m..m+kept-1 (no head: only keys and values)."""

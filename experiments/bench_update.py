@@ -1,0 +1,79 @@
+"""What one draft update costs, and its optimizer state, by what it differentiates.
+
+  python -m experiments.bench_update                   # the derived draft, CPU defaults
+  python -m experiments.bench_update --draft=eagle
+
+Times `objectives.distill` (one optimizer step over a full buffer, as the
+online loop takes it) on buffers of served-like samples: 64 generated
+positions after a prompt, a top-32 teacher, in the 256- and 512-position
+length buckets. Compared: the prompt read without gradient (the default)
+or with it, and the draft's token embedding frozen (the default) or trained.
+Reports the median of --repeats calls after a compiling one, and the bytes
+of optimizer state each setting keeps.
+"""
+
+import dataclasses
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_common, cli, model_flags
+from osd_jax.distillation import objectives, update
+from osd_jax.distillation.buffer import Buffer
+
+CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples in the buffer.")
+GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated positions per sample.")
+TEACHER_K = flags.DEFINE_integer("teacher_topk", 32, "Teacher top-k kept.")
+REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting.")
+# (bucket, prompt tokens): code prompts fill the larger bucket.
+_SHAPES = ((256, 150), (512, 300))
+
+
+def served_like(vocab: int, length: int, prompt: int, seed: int = 0) -> Buffer:
+  """A full buffer of random tokens whose teacher mass sits on 32 random ids."""
+  rng = np.random.default_rng(seed)
+  n, g, k = CAPACITY.value, GEN_LEN.value, TEACHER_K.value
+  return Buffer.empty(n, length, g, k).replace(
+      tokens=jnp.asarray(rng.integers(0, min(vocab, 8000), (n, length)), jnp.int32),
+      gen_start=jnp.full((n,), prompt - 1, jnp.int32),
+      loss_weight=jnp.ones((n, g), jnp.float32),
+      teacher_ids=jnp.asarray(rng.integers(0, min(vocab, 8000), (n, g, k)), jnp.int32),
+      teacher_probs=jnp.full((n, g, k), 1.0 / k, jnp.float32),
+      is_valid=jnp.ones((n,), bool))
+
+
+def main(argv):
+  del argv
+  target = model_flags.load_target()
+  draft = model_flags.load_draft(target)
+  learner = objectives.learnable(draft.drafter)
+  if learner is None:
+    raise ValueError(f"--draft={model_flags.DRAFT.value} has no parameters to learn.")
+  base = update.DistillConfig(learning_rate=1e-3)
+  settings = {
+      "default (prompt no grad, embedding frozen)": base,
+      "embedding trained": dataclasses.replace(base, train_embedding=True),
+      "prompt with gradient": dataclasses.replace(base, prompt_gradient=True),
+  }
+  print(f"draft: {draft.source}")
+  print(f"{'setting':44s} {'optimizer state MB':>18s} "
+        + " ".join(f"{f'{n} pos, ms':>12s}" for n, _ in _SHAPES))
+  for name, cfg in settings.items():
+    opt_state = update.make_optimizer(cfg).init(draft.params)
+    state_mb = sum(x.nbytes for x in jax.tree.leaves(opt_state)) / 1e6
+    step = jax.jit(lambda p, o, b, cfg=cfg: objectives.distill(
+        learner, target.params, target.config, p, o, b, cfg))
+    costs = []
+    for length, prompt in _SHAPES:
+      buffer = served_like(target.config.vocab_size, length, prompt)
+      _, seconds, _ = bench_common.timed(step, draft.params, opt_state, buffer,
+                                         repeats=REPEATS.value)
+      costs.append(seconds * 1e3)
+    print(f"{name:44s} {state_mb:18.1f} " + " ".join(f"{c:12.0f}" for c in costs),
+          flush=True)
+
+
+if __name__ == "__main__":
+  cli.run(main)
