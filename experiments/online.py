@@ -75,7 +75,7 @@ RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_di
 flags.set_default(model_flags.HYBRID, True)
 flags.set_default(model_flags.WARM_START, "chat")
 # The learned draft rarely gives a draw 0.7 or more, so it mostly drafts one
-# token where lookup finds nothing: 2-11 % more tokens/s than always drafting
+# token where lookup finds nothing: 1-11 % more tokens/s than always drafting
 # k (README, "The main job").
 flags.set_default(model_flags.DRAFT_CONFIDENCE, 0.7)
 

@@ -71,19 +71,22 @@ def make_optimizer(cfg: DistillConfig) -> optax.GradientTransformation:
                                _embedding_frozen)
 
 
+_EMBEDDING = "embed"  # the one parameter kept frozen unless train_embedding
+
+
 def _embedding_frozen(params):
-  """multi_transform's labels: the top-level "embed" frozen, all else trained."""
+  """multi_transform's labels: the top-level embedding frozen, all else trained."""
   if not isinstance(params, dict):
     return jax.tree.map(lambda _: "train", params)
-  return {name: "frozen" if name == "embed" else "train" for name in params}
+  return {name: "frozen" if name == _EMBEDDING else "train" for name in params}
 
 
-def differentiable(params, cfg: DistillConfig):
+def _differentiable(params, cfg: DistillConfig):
   """The parameters as the loss should see them: a frozen embedding carries no
   gradient, so none is computed for it."""
-  if cfg.train_embedding or not isinstance(params, dict) or "embed" not in params:
+  if cfg.train_embedding or not isinstance(params, dict) or _EMBEDDING not in params:
     return params
-  return dict(params, embed=jax.lax.stop_gradient(params["embed"]))
+  return dict(params, **{_EMBEDDING: jax.lax.stop_gradient(params[_EMBEDDING])})
 
 
 def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:
@@ -149,7 +152,7 @@ def weighted_loss_sum(draft_params, draft_config: LlamaConfig, buffer: Buffer,
   Sums, not means, so devices with different amounts of weight combine
   exactly: psum both, then divide.
   """
-  draft_params = differentiable(draft_params, cfg)
+  draft_params = _differentiable(draft_params, cfg)
   hidden = _student_hidden(draft_params, draft_config, buffer, cfg.prompt_gradient)
   weight = buffer.loss_weight * buffer.is_valid[:, None]
   # Unweighted rows get a harmless uniform teacher: a stale NaN there would
