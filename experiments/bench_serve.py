@@ -1,13 +1,16 @@
-"""The server under load on loopback: learning on and off, at a few concurrency levels.
+"""The server under load on loopback: target-only, static draft and learning
+draft, at a few concurrency levels.
 
   python -m experiments.bench_serve                       # real target, CPU sizes
   python -m experiments.bench_serve --concurrency=1,8 --requests=8 \
       --server_flags="--target=/path/to/hf_dir --draft=/path/to/draft"
 
-Starts `experiments.serve` twice (learning on, then --nolearn), each time with
-every program compiled before it listens, and sends the same shifting query
-stream (chat endpoint, streamed, greedy) at each concurrency level: a closed
-loop of that many clients. Reports throughput (generated tokens/s), P50/P99
+Starts `experiments.serve` three times, with its own draft defaults: --k=0
+(the target alone), --nolearn (the draft stays as it started) and learning
+on, each with every program compiled before it listens. Each gets the same
+shifting query stream (chat endpoint, streamed, greedy) at each concurrency
+level: a closed loop of that many clients. Reports throughput (generated
+tokens/s) and its ratio to the target-only server at the same level, P50/P99
 time to first token and inter-token latency (per request: the time between
 its first and last token over its tokens - 1), and alpha: the level's mean
 over its requests and the server's rolling alpha when the level ends.
@@ -29,8 +32,8 @@ from experiments.server_process import ServerProcess
 from osd_jax.data import streams
 
 CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "8"], "Clients in flight.")
-REQUESTS = flags.DEFINE_integer("requests", 8, "Requests per concurrency level.")
-MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Tokens per request.")
+REQUESTS = flags.DEFINE_integer("requests", 16, "Requests per concurrency level.")
+MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 DOMAINS = flags.DEFINE_list("domains", ["math", "sql"], "Query domains, in order.")
 SLOTS = flags.DEFINE_integer("slots", 8, "Server decode slots.")
 K = flags.DEFINE_integer("k", 4, "Draft tokens per step.")
@@ -92,30 +95,33 @@ async def _level(url: str, questions: list[str], concurrency: int) -> dict:
           "alpha": float(np.mean([r["alpha"] for r in records]))}
 
 
-def _serve(learn: bool, levels: list[int], questions: list[str], workdir: str) -> list[dict]:
-  name = "on" if learn else "off"
+# Each run's server flags: the target alone, the draft frozen, the draft learning.
+RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"]}
+
+
+def _serve(name: str, levels: list[int], questions: list[str], workdir: str) -> list[dict]:
+  k = [] if name == "target" else [f"--k={K.value}"]
   server = ServerProcess(
-      ["--served_model_name=bench", f"--slots={SLOTS.value}", f"--k={K.value}",
+      ["--served_model_name=bench", f"--slots={SLOTS.value}", *k,
        f"--cache_size={CACHE_SIZE.value}", f"--max_tokens={MAX_TOKENS.value}",
-       f"--update_interval={UPDATE_INTERVAL.value}", "--learn" if learn else "--nolearn",
+       f"--update_interval={UPDATE_INTERVAL.value}", *RUNS[name],
        f"--compilation_cache={os.path.join(workdir, 'xla')}",
        *shlex.split(SERVER_FLAGS.value)], os.path.join(workdir, f"server_{name}.log"))
   try:
     start = time.perf_counter()
     server.wait_ready(START_TIMEOUT.value)
-    print(f"[learning {name}] server ready in {time.perf_counter() - start:.0f} s",
-          flush=True)
+    print(f"[{name}] server ready in {time.perf_counter() - start:.0f} s", flush=True)
     results = []
     for i, concurrency in enumerate(levels):
       n = REQUESTS.value
       before = server.metrics()
       result = asyncio.run(_level(server.url, questions[i * n:(i + 1) * n], concurrency))
       after = server.metrics()
-      result.update(learning=name, rolling_alpha=after["osd:rolling_alpha"],
+      result.update(run=name, rolling_alpha=after["osd:rolling_alpha"],
                     updates=after["osd:draft_updates_total"]
                     - before["osd:draft_updates_total"])
       results.append(result)
-      print(f"[learning {name}] concurrency {concurrency}:"
+      print(f"[{name}] concurrency {concurrency}:"
             f" {result['tokens_per_s']:.1f} tokens/s", flush=True)
     return results
   finally:
@@ -123,12 +129,16 @@ def _serve(learn: bool, levels: list[int], questions: list[str], workdir: str) -
 
 
 def _table(results: list[dict]) -> str:
-  head = ("| learning | clients | requests | tokens/s | TTFT P50 / P99 ms |"
+  base = {r["concurrency"]: r["tokens_per_s"] for r in results if r["run"] == "target"}
+  head = ("| run | clients | requests | tokens/s | vs target | TTFT P50 / P99 ms |"
           " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |")
-  rows = [head, "|" + "---|" * 9]
+  rows = [head, "|" + "---|" * 10]
   for r in results:
-    rows.append(f"| {r['learning']} | {r['concurrency']} | {r['requests']} |"
-                f" {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
+    ratio = r["tokens_per_s"] / base[r["concurrency"]] if r["concurrency"] in base \
+        else float("nan")
+    rows.append(f"| {r['run']} | {r['concurrency']} | {r['requests']} |"
+                f" {r['tokens_per_s']:.1f} | {ratio:.2f}x |"
+                f" {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
                 f" {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['alpha']:.3f} |"
                 f" {r['rolling_alpha']:.3f} | {r['updates']:.0f} |")
   return "\n".join(rows)
@@ -142,8 +152,8 @@ def main(argv):
   questions = [q.prompt for q in queries]
   workdir = tempfile.mkdtemp(prefix="osd_bench_serve_")
   results = []
-  for learn in (True, False):
-    results += _serve(learn, levels, questions, workdir)
+  for name in RUNS:
+    results += _serve(name, levels, questions, workdir)
   print(_table(results))
   print(f"server logs in {workdir}")
   if OUTPUT.value:

@@ -24,6 +24,7 @@ SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 CHAT = flags.DEFINE_bool("chat", False, "Apply the tokenizer's chat template.")
 K = flags.DEFINE_integer("k", 0, "Draft tokens per step; 0 = target only.")
 OUTPUT = flags.DEFINE_enum("output", "text", ["text", "json"], "Output format.")
+model_flags.serve_with_the_best_draft()  # the draft of --k >= 1
 
 
 def main(argv):

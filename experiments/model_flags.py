@@ -54,6 +54,18 @@ DTYPE = flags.DEFINE_enum(
     "Parameter and compute dtype (bfloat16 for TPU/GPU).")
 
 
+def serve_with_the_best_draft() -> None:
+  """Defaults of an entry point that serves traffic: the draft bench_drafts
+  picked (README, "Every draft kind"). The derived draft, warm-started on chat
+  text, behind n-gram lookup wherever the context has a match; it stops a
+  step's proposal after a draw it gave less than 0.7, since it rarely gives
+  more, so where lookup finds nothing it mostly drafts one token (1-11 % more
+  tokens/s than always drafting k). Call at import time, before flags parse."""
+  flags.set_default(HYBRID, True)
+  flags.set_default(WARM_START, "chat")
+  flags.set_default(DRAFT_CONFIDENCE, 0.7)
+
+
 def warn_if_slow_dtype() -> None:
   """Warns that --dtype=bfloat16 on a CPU backend is several times slower."""
   if DTYPE.value == "bfloat16" and jax.default_backend() == "cpu":

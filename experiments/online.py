@@ -69,15 +69,7 @@ CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Orbax checkpoints (default OUTPUT_DIR/checkpoints).")
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 64, "Requests between saves.")
 RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_dir.")
-# The main job's draft, picked by bench_drafts (README, "Every draft kind"):
-# the derived draft, warm-started on chat text and learning online, behind
-# n-gram lookup wherever the context has a match.
-flags.set_default(model_flags.HYBRID, True)
-flags.set_default(model_flags.WARM_START, "chat")
-# The learned draft rarely gives a draw 0.7 or more, so it mostly drafts one
-# token where lookup finds nothing: 1-11 % more tokens/s than always drafting
-# k (README, "The main job").
-flags.set_default(model_flags.DRAFT_CONFIDENCE, 0.7)
+model_flags.serve_with_the_best_draft()
 
 WINDOW = flags.DEFINE_integer(
     "window", 16, "Requests in the rolling alpha and in the per-segment and"

@@ -21,11 +21,14 @@ import jax
 import uvicorn
 
 from experiments import cli, model_flags, serve_flags as sf
+from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.serving import online
 from osd_jax.serving.api.app import make_app
 from osd_jax.serving.api.parse import Limits
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.live import LiveEngine
+
+model_flags.serve_with_the_best_draft()
 
 
 class _Server(uvicorn.Server):
@@ -60,8 +63,14 @@ def main(argv):
   if sf.RESUME.value and not sf.CHECKPOINT_DIR.value:
     raise app.UsageError("--resume needs --checkpoint_dir.")
   sock = _listening_socket(sf.HOST.value, sf.PORT.value)
+  if sf.K.value == 0 and sf.LEARN.value:
+    raise app.UsageError("--k=0 serves the target alone, with no draft to learn:"
+                         " pass --nolearn.")
   target = model_flags.load_target()
-  draft = model_flags.load_draft(target)
+  if sf.K.value == 0:  # the same engine with nothing drafted: the baseline
+    draft = Draft(NoDraft(target.config.vocab_size), (), "none")
+  else:
+    draft = model_flags.load_draft(target)
   if sf.LEARN.value and draft.params == ():
     raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
                          " pass --nolearn.")

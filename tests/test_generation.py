@@ -280,6 +280,47 @@ def test_generate_hands_a_freed_slot_back_at_once_when_requests_wait(model):
   assert after_one_call(False) == ([True, False], [3, 8])
 
 
+def test_a_call_over_the_first_slots_equals_one_over_all_and_leaves_the_rest(model):
+  """generate(batch=2) on requests in slots 0 and 1 of 4: those slots decode as
+  in a call over all four, and slots 2 and 3 stay bit-identical."""
+  engine = Engine(model, draft_lib.derive(model, [0]), k=2, max_new_tokens=MAX_NEW,
+                  num_slots=4)
+  cfg = engine.slot_config(64)
+  target_params, draft_params = engine._params()  # pylint: disable=protected-access
+
+  def filled():
+    state = slots.init(cfg)
+    for slot, ids in enumerate(PROMPTS[:3]):  # slot 2 holds a third request...
+      prompt = jnp.asarray([ids + [0] * (64 - len(ids))])
+      state = slots.insert(target_params, draft_params, state, prompt,
+                           jnp.int32(len(ids)), jnp.int32(MAX_NEW), jnp.int32(slot),
+                           jax.random.key(slot), cfg=cfg)
+    # ...that the host has freed (a client hung up): a call need not cover it.
+    return state.replace(done=state.done.at[2].set(True))
+
+  before = filled()  # never donated: compared against
+  whole = slots.generate(target_params, draft_params, filled(), cfg=cfg, steps=4,
+                         window=64)
+  part = slots.generate(target_params, draft_params, filled(), cfg=cfg, steps=4,
+                        window=64, batch=2)
+  assert np.asarray(part.num_generated)[:2].min() > 1  # it decoded
+  for name in ("tokens", "num_generated", "done"):
+    assert np.array_equal(np.asarray(getattr(part, name))[:2],
+                          np.asarray(getattr(whole, name))[:2]), name
+  for got, want in zip(jax.tree.leaves(part.metrics), jax.tree.leaves(whole.metrics)):
+    np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-5)
+  # Rows 2 and 3 of every array (caches: kv_heads rows per slot) are untouched.
+  for name in ("tokens", "done", "prompt_lens", "budget", "lengths"):
+    assert np.array_equal(np.asarray(getattr(part, name))[2:],
+                          np.asarray(getattr(before, name))[2:]), name
+  heads = model.config.num_kv_heads
+  for got, old in zip(part.target_cache.k + part.draft.v,
+                      before.target_cache.k + before.draft.v):
+    assert np.array_equal(np.asarray(got)[2 * heads:], np.asarray(old)[2 * heads:])
+  assert not np.array_equal(np.asarray(part.target_cache.k[0])[:2 * heads],
+                            np.asarray(before.target_cache.k[0])[:2 * heads])
+
+
 class CompileCounter:
   """Backend compiles, from jax.monitoring events."""
 
@@ -293,7 +334,8 @@ class CompileCounter:
 
 
 def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
-  """An insert compiles only for a new prompt bucket, a generate for a new window."""
+  """An insert compiles only for a new prompt bucket, a generate for a new
+  (window, batch bucket)."""
   counter, calls = CompileCounter(), []
 
   def counted(fn, name, shape_of):
@@ -307,7 +349,8 @@ def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
   monkeypatch.setattr(slots, "insert", counted(
       slots.insert, "insert", lambda args, kwargs: args[3].shape[1]))
   monkeypatch.setattr(slots, "generate", counted(
-      slots.generate, "generate", lambda args, kwargs: kwargs["window"]))
+      slots.generate, "generate", lambda args, kwargs: (kwargs["window"],
+                                                        kwargs["batch"])))
   rng = np.random.default_rng(3)
   stream = prompts_of_lengths(rng.integers(1, 100, 24), seed=3)
   engine = Engine(model, draft_lib.derive(model, [0]), k=2, max_new_tokens=8,
@@ -323,7 +366,11 @@ def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
     assert compiles <= (key not in seen), (key, compiles)
     seen.add(key)
   assert {w for (name, w) in seen if name == "insert"} == {64, 128}
-  assert len({w for (name, w) in seen if name == "generate"}) >= 2
+  generated = {key for (name, key) in seen if name == "generate"}
+  assert len({window for window, _ in generated}) >= 2
+  # 3 slots: calls over all of them, and over fewer in the stream's tail.
+  batches = {batch for _, batch in generated}
+  assert 3 in batches and len(batches) >= 2 and batches <= {1, 2, 3}
 
 
 def test_chat_needs_a_template(model):
@@ -359,7 +406,8 @@ def test_cli_json_output(smollm2):
   """python -m experiments.generate, end to end, speculative with the derived draft."""
   prompts = REAL_PROMPTS[:2]
   command = [sys.executable, "-m", "experiments.generate", "--output=json",
-             "--max_new_tokens=3", "--k=2", *(f"--prompt={p}" for p in prompts)]
+             "--max_new_tokens=3", "--k=2", "--warm_start=none",
+             *(f"--prompt={p}" for p in prompts)]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600, check=False)

@@ -168,9 +168,10 @@ class Tap:
     return self._run(("insert", prompts.shape[1]), self.step.insert, target_params,
                      state, prompts, lens, budget, slot, *rest)
 
-  def serve(self, target_params, state, *, steps, window, refill=False):
-    state, out = self._run(("serve", window), self.step.serve, target_params, state,
-                           steps=steps, window=window, refill=refill)
+  def serve(self, target_params, state, *, steps, window, batch=None, refill=False):
+    state, out = self._run(("serve", window, batch), self.step.serve, target_params,
+                           state, steps=steps, window=window, batch=batch,
+                           refill=refill)
     done = jax.device_get(state.slots.done)
     ended = [s for s in sorted(self.owner) if done[s]]
     self.finished.append([self.owner[s] for s in ended])
@@ -389,12 +390,18 @@ def test_target_params_are_never_changed(single, multi):
 
 
 def test_no_recompilation_as_the_stream_goes_on(single, multi):
-  """One program per prompt bucket and per window, each traced and compiled on
-  its first call; no call after that traces or compiles anything."""
-  for run in (single, multi):
+  """One program per prompt bucket and per (window, batch bucket), each traced
+  and compiled on its first call; no call after that traces or compiles anything."""
+  for run, slots_per_device in ((single, SLOTS), (multi, SLOTS // 8)):
     programs = run["tap"].programs
-    assert {p for p, _, _ in programs} == {("insert", 64), ("insert", 128),
-                                           ("serve", 64), ("serve", 128)}
+    names = {p for p, _, _ in programs}
+    assert {p for p in names if p[0] == "insert"} == {("insert", 64), ("insert", 128)}
+    serves = {p[1:] for p in names if p[0] == "serve"}
+    assert {window for window, _ in serves} == {64, 128}
+    # The stream ends with fewer requests than slots: calls over fewer slots.
+    batches = {batch for _, batch in serves}
+    assert set(slot_lib.batch_buckets(slots_per_device)) >= batches
+    assert slots_per_device in batches and len(batches) >= 2
     assert len(programs) >= 16  # a long stream: many calls per program
     seen, traces, compiles = set(), 0, 0
     for program, t, c in programs:
@@ -413,7 +420,9 @@ def test_compile_first_leaves_nothing_to_compile_while_serving():
                      counter=Counter(), compile_first=True)
   programs = run["tap"].programs
   warm = len({p for p, _, _ in programs})
-  assert warm == 4 and len({p for p, _, _ in programs[:warm]}) == warm
+  # 2 prompt buckets, then 2 windows x each batch bucket of 2 slots per device.
+  assert warm == 2 + 2 * len(slot_lib.batch_buckets(SLOTS // 8)) == 6
+  assert len({p for p, _, _ in programs[:warm]}) == warm
   assert programs[warm - 1][2] >= warm
   assert all(p[1:] == programs[warm - 1][1:] for p in programs[warm:]), programs
   assert run["tap"].outputs == {i: greedy(prompt_ids(q))

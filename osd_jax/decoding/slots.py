@@ -19,6 +19,7 @@ from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.speculative import SpecState
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
+from osd_jax.models.kv_cache import KVCache
 
 # Prompt widths and attention windows are rounded up to one of these, capped
 # at the cache size: one compiled program per bucket in use.
@@ -31,6 +32,55 @@ def bucket(size: int, cap: int) -> int:
     if b >= size:
       return min(b, cap)
   return cap
+
+
+def batch_bucket(used: int, num_slots: int) -> int:
+  """Slots a call computes when slots 0..used-1 hold every request: the next
+  power of two, capped at num_slots. One program per bucket in use."""
+  batch = 1
+  while batch < used:
+    batch *= 2
+  return min(batch, num_slots)
+
+
+def batch_buckets(num_slots: int) -> list[int]:
+  """Every batch_bucket value: the programs a host may call."""
+  return sorted({batch_bucket(n, num_slots) for n in range(1, num_slots + 1)})
+
+
+def occupied_batch(occupied: list[int], slots_per_device: int) -> int:
+  """The batch bucket of a call when global slots `occupied` hold requests
+  (devices hold consecutive runs of slots_per_device)."""
+  return batch_bucket(max(s % slots_per_device for s in occupied) + 1,
+                      slots_per_device)
+
+
+def _is_cache(x) -> bool:
+  return isinstance(x, KVCache)
+
+
+def first_slots(tree, n: int):
+  """The first n slots of a per-slot pytree (a SpecState, Records, a drafter's
+  state): arrays lead with the slot axis, and caches keep kv_heads rows per slot."""
+  return jax.tree.map(lambda x: x.first_rows(n) if _is_cache(x) else x[:n], tree,
+                      is_leaf=_is_cache)
+
+
+def with_first_slots(tree, part):
+  """`tree` with its first slots replaced by `part` (first_slots' inverse)."""
+  return jax.tree.map(
+      lambda x, p: x.with_first_rows(p) if _is_cache(x) else x.at[:p.shape[0]].set(p),
+      tree, part, is_leaf=_is_cache)
+
+
+def on_first_slots(fn, trees, n: int, num_slots: int):
+  """fn(trees) computed on the first n of num_slots slots; the others, which
+  hold no request, are left as they are. Vectorised work scales with the
+  rows computed, so a call with one request in eight slots costs about a
+  batch-1 call, plus one copy of that slot's caches in and out."""
+  if n >= num_slots:
+    return fn(trees)
+  return with_first_slots(trees, fn(first_slots(trees, n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,18 +183,21 @@ def decode_loop(step_fn, state, carry, steps: int, refill=False,
   return state, carry
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "window"),
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "window", "batch"),
                    donate_argnames=("state",))
 def generate(target_params, draft_params, state: SpecState, refill=False, *,
-             cfg: SlotConfig, steps: int, window: int) -> SpecState:
-  """The generate verb: up to `steps` speculative steps over every slot, fewer
-  when `refill` and a slot finishes (see decode_loop)."""
+             cfg: SlotConfig, steps: int, window: int,
+             batch: int | None = None) -> SpecState:
+  """The generate verb: up to `steps` speculative steps over the first `batch`
+  slots (all if None), which must hold every request; fewer steps when
+  `refill` and a slot finishes (see decode_loop)."""
   step = functools.partial(
       speculative.speculate_and_verify, target_params, draft_params,
       target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
       sampling=cfg.sampling, window=window)
-  state, _ = decode_loop(lambda s, c: (step(s)[0], c), state, (), steps, refill)
-  return state
+  decode = lambda s: decode_loop(lambda s, c: (step(s)[0], c), s, (), steps,
+                                 refill)[0]
+  return on_first_slots(decode, state, batch or cfg.num_slots, cfg.num_slots)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -60,6 +60,18 @@ class KVCache:
         k=tuple(map(put, self.k, one.k)), v=tuple(map(put, self.v, one.v)),
         lengths=self.lengths.at[row].set(one.lengths[0]))
 
+  def first_rows(self, n: int) -> "KVCache":
+    """Rows 0..n-1 (static n): what a call over the first n slots computes on."""
+    rows = n * self.num_kv_heads
+    return KVCache(k=tuple(x[:rows] for x in self.k), v=tuple(x[:rows] for x in self.v),
+                   lengths=self.lengths[:n])
+
+  def with_first_rows(self, part: "KVCache") -> "KVCache":
+    """This cache with rows 0..n-1 replaced by `part` (in place when donated)."""
+    put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0, 0, 0))
+    return KVCache(k=tuple(map(put, self.k, part.k)), v=tuple(map(put, self.v, part.v)),
+                   lengths=self.lengths.at[:part.batch_size].set(part.lengths))
+
 
 # Up to this many rows, one dynamic_update_slice each (fastest on CPU, measured
 # at batch 8); beyond, a single scatter.

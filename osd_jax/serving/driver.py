@@ -96,7 +96,9 @@ def warm_up(step: online.Step, target_params, state: online.OnlineState,
   devices = mesh.size
   rows = lambda x: distributed.shard_leading(x, mesh, online.AXIS)
   keys = rows(speculative.row_keys(jax.random.key(0), devices))
-  bar = progress.bar(len(widths) + len(windows), "compiling", "programs")
+  batches = slot_lib.batch_buckets(state.slots.done.shape[0] // devices)
+  bar = progress.bar(len(widths) + len(windows) * len(batches), "compiling",
+                     "programs")
   scratch = jax.tree.map(jnp.copy, state)  # the programs donate their state
   sampling = rows(RowSampling.fill(cfg.sampling or Sampling(), devices))
   for width in widths:
@@ -108,9 +110,10 @@ def warm_up(step: online.Step, target_params, state: online.OnlineState,
                           rows(np.zeros(devices, np.int32)), keys, sampling)
     bar.update(1)
   for window in windows:
-    scratch, _ = step.serve(target_params, scratch, steps=cfg.steps_per_call,
-                            window=window)
-    bar.update(1)
+    for batch in batches:
+      scratch, _ = step.serve(target_params, scratch, steps=cfg.steps_per_call,
+                              window=window, batch=batch)
+      bar.update(1)
   jax.block_until_ready(scratch)
   bar.close()
 
@@ -293,6 +296,7 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
     call_start = time.perf_counter()
     state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
                             window=window,
+                            batch=slot_lib.occupied_batch(occupied, per_device),
                             refill=host.next_request < len(queries))
     out = distributed.gather(out)
     for record in collect(out):

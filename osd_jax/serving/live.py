@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from osd_jax.checkpoints import loading
 from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.decoding import slots as slot_lib
-from osd_jax.decoding.drafts import Draft, ModelDraft
+from osd_jax.decoding.drafts import Draft, HybridDraft, ModelDraft
 from osd_jax.decoding.sampling import RowSampling
 from osd_jax.models import llama
 from osd_jax.serving import distributed, driver, online
@@ -220,7 +220,7 @@ class LiveEngine:
     self._fail_all("The server is shutting down.")
     self._free_slots(np.ones(self.live.num_slots, bool))
     self._save()
-    if self.live.export_dir and isinstance(self.draft.drafter, ModelDraft):
+    if self.live.export_dir and _exportable(self.draft.drafter) is not None:
       print(f"draft exported to {self._export(self._default_export_name())}")
 
   def _take_commands(self, wait: bool) -> bool:
@@ -316,9 +316,10 @@ class LiveEngine:
     occupied = self._occupied()
     window = self.cfg.window(int(self._lengths[occupied].max()))
     # The call's StepOutput is not needed: the state holds the update counts.
+    batch = slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size)
     self._state, _ = self._step.serve(self._target_params, self._state,
                                       steps=self.cfg.steps_per_call, window=window,
-                                      refill=bool(self._pending))
+                                      batch=batch, refill=bool(self._pending))
     slots = self._state.slots
     done, lengths, prompt_lens, tokens, updates, skipped, loss = distributed.gather(
         (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,
@@ -405,12 +406,21 @@ class LiveEngine:
       raise EngineUnavailable("Start the server with --export_dir to export the draft.")
     if os.path.basename(name) != name or name in (".", ".."):
       raise ValueError(f"An export name is one folder name, got {name!r}.")
-    if not isinstance(self.draft.drafter, ModelDraft):
+    model = _exportable(self.draft.drafter)
+    if model is None:
       raise EngineUnavailable(f"A {type(self.draft.drafter).__name__} has no model"
                               " to export.")
     params = jax.tree.map(lambda x: np.asarray(x[0]),
                           distributed.gather(self._state.draft_params))
     path = os.path.join(self.live.export_dir, name)
-    loading.save_hf(LoadedModel(self.draft.drafter.config, params, self.target.tokenizer,
+    loading.save_hf(LoadedModel(model.config, params, self.target.tokenizer,
                                 f"online draft of {self.draft.source}"), path)
     return path
+
+
+def _exportable(drafter) -> ModelDraft | None:
+  """The model an HF export writes: the draft itself, or a hybrid's learned
+  base (the n-gram half has no parameters); None for other kinds."""
+  if isinstance(drafter, HybridDraft):
+    drafter = drafter.base
+  return drafter if isinstance(drafter, ModelDraft) else None

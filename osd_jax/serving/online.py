@@ -266,11 +266,14 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
 
 def serve_and_learn(target_params, state: OnlineState, refill=False, *,
                     target_config, drafter, cfg: OnlineConfig, steps: int,
-                    window: int, axis_name: str | None = None):
+                    window: int, batch: int | None = None,
+                    axis_name: str | None = None):
   """One device's call: decode its slots, then buffer and learn (shard_map body).
 
-  With `refill` (requests are waiting) decoding stops at the first step in
-  which a slot finishes, on every device (slots.decode_loop).
+  Only the first `batch` local slots (all if None) are decoded: the host
+  keeps every request there. With `refill` (requests are waiting) decoding
+  stops at the first step in which a slot finishes, on every device
+  (slots.decode_loop).
   """
   drafter = multi(drafter, cfg)
   target_params = llama.for_decoding(target_params, target_config)
@@ -286,8 +289,17 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
       records = records.record(result, corrected_only=corrected_only)
     return slots, records
 
-  slots, records = slot_lib.decode_loop(step, state.slots, state.records, steps,
-                                        refill, axis_name)
+  decode = lambda slots, records: slot_lib.decode_loop(step, slots, records, steps,
+                                                       refill, axis_name)
+  num_slots = state.slots.done.shape[0]
+  batch = batch or num_slots
+  if cfg.learn:
+    slots, records = slot_lib.on_first_slots(
+        lambda t: decode(*t), (state.slots, state.records), batch, num_slots)
+  else:  # nothing is recorded: the records are not even sliced
+    slots, records = slot_lib.on_first_slots(
+        lambda s: decode(s, state.records)[0], state.slots, batch,
+        num_slots), state.records
   state = state.replace(slots=slots, records=records)
   nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool),
                        jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32),
@@ -322,18 +334,19 @@ class Step:
                     for flag in (False, True)}
 
   def serve(self, target_params, state: OnlineState, *, steps: int, window: int,
-            refill: bool = False):
-    """Up to `steps` speculative steps over every slot (fewer with `refill`,
-    see serve_and_learn); one program per window."""
-    if (steps, window) not in self._serve:
+            batch: int | None = None, refill: bool = False):
+    """Up to `steps` speculative steps over the first `batch` slots of each
+    device (all if None; fewer steps with `refill`, see serve_and_learn);
+    one program per (window, batch)."""
+    key = steps, window, batch
+    if key not in self._serve:
       body = functools.partial(serve_and_learn, **self.statics, steps=steps,
-                               window=window, axis_name=AXIS)
-      self._serve[steps, window] = jax.jit(jax.shard_map(
+                               window=window, batch=batch, axis_name=AXIS)
+      self._serve[key] = jax.jit(jax.shard_map(
           body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P()),
           out_specs=(_STATE_SPECS, StepOutput(P(), P(), P())), check_vma=False),
           donate_argnums=(1,))
-    program = self._serve[steps, window]
-    return program(target_params, state, self._refill[bool(refill)])
+    return self._serve[key](target_params, state, self._refill[bool(refill)])
 
 
 @functools.lru_cache(maxsize=16)
