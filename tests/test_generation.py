@@ -334,8 +334,7 @@ class CompileCounter:
 
 
 def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
-  """An insert compiles only for a new prompt bucket, a generate for a new
-  (window, batch bucket)."""
+  """An insert compiles only for a new prompt bucket, a generate for a new window."""
   counter, calls = CompileCounter(), []
 
   def counted(fn, name, shape_of):
@@ -349,8 +348,7 @@ def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
   monkeypatch.setattr(slots, "insert", counted(
       slots.insert, "insert", lambda args, kwargs: args[3].shape[1]))
   monkeypatch.setattr(slots, "generate", counted(
-      slots.generate, "generate", lambda args, kwargs: (kwargs["window"],
-                                                        kwargs["batch"])))
+      slots.generate, "generate", lambda args, kwargs: kwargs["window"]))
   rng = np.random.default_rng(3)
   stream = prompts_of_lengths(rng.integers(1, 100, 24), seed=3)
   engine = Engine(model, draft_lib.derive(model, [0]), k=2, max_new_tokens=8,
@@ -366,11 +364,7 @@ def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
     assert compiles <= (key not in seen), (key, compiles)
     seen.add(key)
   assert {w for (name, w) in seen if name == "insert"} == {64, 128}
-  generated = {key for (name, key) in seen if name == "generate"}
-  assert len({window for window, _ in generated}) >= 2
-  # 3 slots: calls over all of them, and over fewer in the stream's tail.
-  batches = {batch for _, batch in generated}
-  assert 3 in batches and len(batches) >= 2 and batches <= {1, 2, 3}
+  assert len({w for (name, w) in seen if name == "generate"}) >= 2
 
 
 def test_chat_needs_a_template(model):

@@ -167,8 +167,7 @@ class Engine:
       active = [s for s in range(self.num_slots) if owner[s] is not None]
       window = cfg.window(int(lengths[active].max()), self.steps_per_call)
       state = slots.generate(target_params, draft_params, state, bool(queue), cfg=cfg,
-                             steps=self.steps_per_call, window=window,
-                             batch=slots.occupied_batch(active, self.num_slots))
+                             steps=self.steps_per_call, window=window)
       done, generated = np.asarray(state.done), np.asarray(state.num_generated)
       now = time.perf_counter()
       for slot in active:
