@@ -28,8 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from osd_jax.checkpoints import loading
 from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.decoding import slots as slot_lib
-from osd_jax.decoding.drafts import Draft, HybridDraft, ModelDraft
+from osd_jax.decoding.drafts import Draft, ModelDraft
 from osd_jax.decoding.sampling import RowSampling
+from osd_jax.distillation import objectives
 from osd_jax.models import llama
 from osd_jax.serving import distributed, driver, online
 from osd_jax.serving.checkpoint import Checkpointer
@@ -419,8 +420,7 @@ class LiveEngine:
 
 
 def _exportable(drafter) -> ModelDraft | None:
-  """The model an HF export writes: the draft itself, or a hybrid's learned
-  base (the n-gram half has no parameters); None for other kinds."""
-  if isinstance(drafter, HybridDraft):
-    drafter = drafter.base
-  return drafter if isinstance(drafter, ModelDraft) else None
+  """The model an HF export writes: the learned drafter (a hybrid's base) when
+  it is a model draft; None for other kinds."""
+  learner = objectives.learnable(drafter)
+  return learner if isinstance(learner, ModelDraft) else None
