@@ -134,8 +134,8 @@ def test_library_info_logs_only_with_verbosity():
 def test_online_run_shows_no_library_logs(tmp_path):
   """No orbax INFO lines, no tfds banners or bars: the run's own lines only."""
   done = run("-m", "experiments.online", "--stream=single", "--domains=math",
-             "--num_requests=4", "--slots=4", "--warm_start=none",
-             "--max_new_tokens=4",
+             "--num_requests=4", "--slots=1", "--warm_start=none",
+             "--max_new_tokens=4", "--cache_size=128", "--steps_per_call=4",
              "--runs=online", f"--output_dir={tmp_path / 'out'}",
              data_dir=str(tmp_path / "data"))  # data sets built afresh
   assert done.returncode == 0, done.stderr[-3000:]

@@ -21,7 +21,7 @@ NUM_REQUESTS = 8
 def test_main_job_writes_passes_summary_plots_and_checkpoints(tmp_path):
   out = tmp_path / "online"
   cmd = [sys.executable, "-m", "experiments.online", "--stream=single",
-         "--domains=math", f"--num_requests={NUM_REQUESTS}", "--slots=4", "--warm_start=none",
+         "--domains=math", f"--num_requests={NUM_REQUESTS}", "--slots=2", "--warm_start=none",
          "--max_new_tokens=4", "--cache_size=128", "--steps_per_call=4",
          "--update_interval=4", "--buffer_capacity=4", "--checkpoint_every=4",
          "--window=4", f"--output_dir={out}"]

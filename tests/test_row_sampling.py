@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osd_jax.checkpoints import draft as draft_lib
+from osd_jax.decoding import sampling as sampling_lib
 from osd_jax.decoding import speculative
 from osd_jax.decoding.drafts import ModelDraft
 from osd_jax.decoding.sampling import RowSampling, Sampling
@@ -104,3 +105,23 @@ def test_row_sampling_filters_equal_the_static_ones():
     rows = RowSampling.fill(sampling, 3)
     np.testing.assert_allclose(rows.probs(logits), sampling.probs(logits),
                                rtol=1e-5, atol=1e-7)
+
+
+def test_argmax_and_categorical_equal_jax_ones():
+  """The blocked argmax gives jnp.argmax's index (ties to the lowest, masked
+  rows, a width that is no multiple of the block); categorical is
+  jax.random.categorical's draw bit for bit."""
+  key = jax.random.key(7)
+  for shape in ((1, 5, 49152), (8, 3, 300), (4, 128), (2, 7)):
+    x = jax.random.normal(key, shape) * 3
+    cases = (x, jnp.round(x),  # many ties
+             x.at[..., -1].set(100.0),  # the max in the padded last block
+             jnp.full(shape, -jnp.inf))  # a fully masked row: index 0
+    for case in cases:
+      np.testing.assert_array_equal(sampling_lib.argmax(case), jnp.argmax(case, axis=-1))
+    keys = jax.random.split(key, shape[0])
+    np.testing.assert_array_equal(
+        jax.vmap(sampling_lib.categorical)(keys, x),
+        jax.vmap(lambda k, l: jax.random.categorical(k, l, axis=-1))(keys, x))
+  nan_row = jnp.zeros((1, 300)).at[0, 3].set(jnp.nan)
+  assert 0 <= int(sampling_lib.argmax(nan_row)[0]) < 300

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from osd_jax.decoding.drafts.base import Context, Proposal, Verified
 from osd_jax.decoding.prefill import prefill_hidden
+from osd_jax.decoding import sampling as sampling_lib
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
@@ -146,7 +147,7 @@ def _accept(proposal: Proposal, target_logits, keys_B, sampling):
   p = sampling.probs(target_logits)  # [B, k+1, V]
   q = sampling.probs(proposal.logits)  # [B, k, V]
   alpha = jnp.minimum(p[:, :k], q).sum(axis=-1)
-  choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+  choice = sampling_lib.argmax(target_logits)  # [B, k+1]
   n_greedy = jnp.cumprod((drafted == choice[:, :k]) & is_real, axis=1).sum(axis=1)
   y_greedy = jnp.take_along_axis(choice, n_greedy[:, None], axis=1)[:, 0]
   if isinstance(sampling, Sampling) and sampling.is_greedy:
@@ -179,8 +180,7 @@ def _accept_sampled(proposal: Proposal, p, q, keys_B, is_real):
   residual = jnp.maximum(p_n - q_n, 0.0)
   # All-zero residual happens only when p == q numerically; p is then exact.
   residual = jnp.where(residual.sum(-1, keepdims=True) > 1e-12, residual, p_n)
-  draw = jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))
-  return n, draw(residual_keys, residual).astype(jnp.int32)
+  return n, jax.vmap(sampling_lib.categorical)(residual_keys, jnp.log(residual))
 
 
 def _write_rows(tokens_BxS, new_BxC, counts_B, starts_B):
