@@ -5,9 +5,10 @@ draft, at a few concurrency levels.
   python -m experiments.bench_serve --concurrency=1,8 --requests=8 \
       --server_flags="--target=/path/to/hf_dir --draft=/path/to/draft"
 
-Starts `experiments.serve` three times, with its own draft defaults: --k=0
+Starts `experiments.serve` once per run, with its own draft defaults: --k=0
 (the target alone), --nolearn (the draft stays as it started) and learning
-on, each with every program compiled before it listens. Each gets the same
+on, each also with --batch_k (fewer draft tokens per step in larger
+batches), each with every program compiled before it listens. Each gets the same
 shifting query stream (chat endpoint, streamed, greedy) at each concurrency
 level: a closed loop of that many clients. Reports throughput (generated
 tokens/s) and its ratio to the target-only server at the same level, P50/P99
@@ -23,7 +24,7 @@ import shlex
 import tempfile
 import time
 
-from absl import flags
+from absl import app, flags
 import numpy as np
 import openai
 
@@ -39,6 +40,8 @@ SLOTS = flags.DEFINE_integer("slots", 8, "Server decode slots.")
 K = flags.DEFINE_integer("k", 4, "Draft tokens per step.")
 CACHE_SIZE = flags.DEFINE_integer("cache_size", 256, "Positions per slot.")
 UPDATE_INTERVAL = flags.DEFINE_integer("update_interval", 4, "Requests per draft update.")
+BATCH_K = flags.DEFINE_string(
+    "batch_k", "4:2", "The servers' --batch_k in the *_batch_k runs.")
 SERVER_FLAGS = flags.DEFINE_string(
     "server_flags", "", "More flags for experiments.serve (e.g. --target, --draft).")
 START_TIMEOUT = flags.DEFINE_integer("start_timeout", 900, "Seconds a server may take"
@@ -95,12 +98,18 @@ async def _level(url: str, questions: list[str], concurrency: int) -> dict:
           "alpha": float(np.mean([r["alpha"] for r in records]))}
 
 
-# Each run's server flags: the target alone, the draft frozen, the draft learning.
-RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"]}
+# Each run's server flags: the target alone, the draft frozen, the draft
+# learning; and those two drafting fewer tokens in larger batches.
+RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"],
+        "static_batch_k": ["--nolearn"], "online_batch_k": ["--learn"]}
+RUN_NAMES = flags.DEFINE_list(
+    "runs", ["target", "static", "static_batch_k", "online_batch_k"],
+    f"Servers to run, in order, of {list(RUNS)}.")
 
 
 def _serve(name: str, levels: list[int], questions: list[str], workdir: str) -> list[dict]:
   k = [] if name == "target" else [f"--k={K.value}"]
+  k += [f"--batch_k={BATCH_K.value}"] if name.endswith("_batch_k") else ["--batch_k="]
   server = ServerProcess(
       ["--served_model_name=bench", f"--slots={SLOTS.value}", *k,
        f"--cache_size={CACHE_SIZE.value}", f"--max_tokens={MAX_TOKENS.value}",
@@ -150,9 +159,12 @@ def main(argv):
   total = REQUESTS.value * len(levels)
   queries = streams.make_stream("shift", DOMAINS.value, total, seed=0)
   questions = [q.prompt for q in queries]
+  unknown = set(RUN_NAMES.value) - set(RUNS)
+  if unknown or "target" not in RUN_NAMES.value:
+    raise app.UsageError(f"--runs must include target and name only {list(RUNS)}.")
   workdir = tempfile.mkdtemp(prefix="osd_bench_serve_")
   results = []
-  for name in RUNS:
+  for name in RUN_NAMES.value:
     results += _serve(name, levels, questions, workdir)
   print(_table(results))
   print(f"server logs in {workdir}")

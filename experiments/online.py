@@ -16,7 +16,8 @@ import time
 
 from absl import app, flags
 
-from experiments import cli, learning_flags, model_flags, multihost_flags, plots
+from experiments import (cli, learning_flags, model_flags, multihost_flags, plots,
+                         step_flags)
 from osd_jax.data import streams
 from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.decoding.sampling import Sampling
@@ -83,7 +84,8 @@ def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
       max_new_tokens=MAX_NEW_TOKENS.value, cache_size=CACHE_SIZE.value,
       steps_per_call=STEPS_PER_CALL.value, learn=learn,
       sample_source=SAMPLE_SOURCE.value, source_mix=SOURCE_MIX.value,
-      num_drafts=num_drafts, **learning_flags.online_fields(
+      num_drafts=num_drafts, batch_k=step_flags.batch_k(k),
+      **learning_flags.online_fields(
           schedule=SCHEDULE.value, schedule_steps=max(
               NUM_REQUESTS.value // learning_flags.UPDATE_INTERVAL.value, 1)))
 

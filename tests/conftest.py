@@ -24,3 +24,17 @@ def smollm2():
   """The embedded default target, loaded once per test session."""
   from osd_jax.checkpoints import loading  # pylint: disable=g-import-not-at-top
   return loading.load()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+  """Drops every compiled program after each test module.
+
+  Each XLA CPU executable keeps several memory mappings, and one process
+  running the whole suite compiles thousands: the full suite then crashed
+  inside XLA's compiler (a segfault in backend_compile_and_load, no OOM),
+  always late in the run. A module that needs a program again recompiles it.
+  """
+  yield
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()

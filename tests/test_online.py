@@ -432,6 +432,29 @@ def test_compile_first_leaves_nothing_to_compile_while_serving():
 # Direct calls of the compiled step (the programs the streams compiled) ------
 
 
+def test_a_smaller_k_from_a_batch_size_on_changes_speed_not_output():
+  """batch_k=((1, 1),): every call drafts 1 token, not K; outputs still equal
+  greedy decoding, and the second draft position is never reached. Without
+  it, the same stream drafts more than one token per call."""
+  queries = [query(p) for p in PROMPTS[:6]]
+  static = dataclasses.replace(MAIN, learn=False)
+  for batch_k in ((), ((1, 1),)):
+    cfg = dataclasses.replace(static, batch_k=batch_k)
+    run = serve_stream(queries, cfg, devices=1, num_slots=4)
+    for i, q in enumerate(queries):
+      assert run["tap"].outputs[i] == greedy(prompt_ids(q)), i
+    most = max(r["proposed"] / r["target_calls"] for r in run["records"])
+    reached = host(run["state"].slots.metrics.reached_by_position)
+    assert reached.shape[1] == K
+    if batch_k:
+      assert most <= 1.0 and not reached[:, 1:].any()
+    else:
+      assert most > 1.0 and reached[:, 1:].any()
+  with pytest.raises(ValueError, match="batch_k"):
+    dataclasses.replace(static, batch_k=((8, 0),))
+  assert dataclasses.replace(static, batch_k=((2, 1), (8, K + 5))).k_at(8) == K
+
+
 def test_empty_slots_are_neither_buffered_nor_counted(single, multi):
   """3 requests in 16 slots: 3 samples, counted 3; the 13 empty slots add nothing."""
   ids = {s: PROMPTS[i] for s, i in ((0, 0), (3, 2), (9, 3))}

@@ -206,6 +206,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   """One draft-k, verify-once step over every row.
 
   `sampling` None draws each row with its own settings (state.sampling).
+  `k` may be less than the k the state was built for (not more).
   `window` bounds the cache positions attention reads (every row's length
   after the step must fit). The target's logits and hidden states at the
   verified positions come back in the result: the teacher for online
@@ -246,6 +247,10 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   is_accepted = (jnp.arange(k) < n[:, None]) & active[:, None]
   f32 = lambda x: x.astype(jnp.float32)
   mt = state.metrics
+  # A step may draft fewer tokens than the state was built for (a loaded
+  # server's smaller k): the positions it did not reach count nothing.
+  by_position = lambda x: jnp.pad(
+      f32(x), ((0, 0), (0, mt.reached_by_position.shape[1] - k)))
   metrics = Metrics(
       proposed=mt.proposed + f32(jnp.where(active, proposal.num_proposed, 0)),
       accepted=mt.accepted + f32(jnp.where(active, n, 0)),
@@ -253,8 +258,8 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
       emitted=mt.emitted + f32(kept),
       alpha_sum=mt.alpha_sum + (alpha * is_verified).sum(axis=1),
       alpha_count=mt.alpha_count + f32(is_verified).sum(axis=1),
-      reached_by_position=mt.reached_by_position + f32(is_verified),
-      accepted_by_position=mt.accepted_by_position + f32(is_accepted))
+      reached_by_position=mt.reached_by_position + by_position(is_verified),
+      accepted_by_position=mt.accepted_by_position + by_position(is_accepted))
   state = state.replace(target_cache=target_cache, draft=draft, tokens=tokens,
                         done=done, rng=next_keys, metrics=metrics)
   result = StepResult(proposal.tokens, proposal.num_proposed, n, emitted, kept,

@@ -55,6 +55,12 @@ class OnlineConfig:
   sample_source: str = "served"
   source_mix: float = 0.5  # target share for the mixed sources
   num_drafts: int = 1
+  # ((b, k_b), ...): a call over b or more slots per device drafts at most
+  # k_b tokens per step. Verifying k + 1 tokens in every row gets
+  # compute-bound as the batch grows (on CPU already at 4-8 rows). vLLM's
+  # speculative_disable_by_batch_size is the k_b = 0 case, not offered here:
+  # a draft that skips a step falls out of step with its cache.
+  batch_k: tuple[tuple[int, int], ...] = ()
   distill: update.DistillConfig = update.DistillConfig()
 
   def __post_init__(self):
@@ -69,9 +75,20 @@ class OnlineConfig:
            self.steps_per_call, self.max_new_tokens, self.num_drafts) < 1:
       raise ValueError("update_interval, update_steps, buffer_capacity,"
                        " steps_per_call, max_new_tokens and num_drafts must be >= 1.")
+    if any(min(b, k_b) < 1 for b, k_b in self.batch_k):
+      raise ValueError(f"batch_k needs batches and draft lengths >= 1, got"
+                       f" {self.batch_k}.")
     if self.max_new_tokens + self.k + 1 > self.cache_size:
       raise ValueError(f"cache_size {self.cache_size} cannot hold max_new_tokens"
                        f" {self.max_new_tokens} + k {self.k} after a prompt.")
+
+  def k_at(self, batch: int) -> int:
+    """Draft tokens per step in a call over `batch` slots per device."""
+    k = self.k
+    for b, k_b in sorted(self.batch_k):
+      if batch >= b:
+        k = min(k_b, self.k)
+    return k
 
   @property
   def sample_len(self) -> int:
@@ -271,8 +288,8 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
   """One device's call: decode its slots, then buffer and learn (shard_map body).
 
   Only the first `batch` local slots (all if None) are decoded: the host
-  keeps every request there. With `refill` (requests are waiting) decoding
-  stops at the first step in which a slot finishes, on every device
+  keeps every request there; each step drafts cfg.k_at(batch) tokens. With
+  `refill` (requests are waiting) decoding stops at the first step in which a slot finishes, on every device
   (slots.decode_loop).
   """
   drafter = multi(drafter, cfg)
@@ -281,18 +298,19 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
   was_done = state.slots.done
   corrected_only = cfg.loss_weighting == "corrected"
 
+  num_slots = state.slots.done.shape[0]
+  batch = batch or num_slots
+
   def step(slots, records):
     slots, result = speculative.speculate_and_verify(
         target_params, draft_params, slots, target_config=target_config,
-        drafter=drafter, k=cfg.k, sampling=cfg.sampling, window=window)
+        drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window)
     if cfg.learn:
       records = records.record(result, corrected_only=corrected_only)
     return slots, records
 
   decode = lambda slots, records: slot_lib.decode_loop(step, slots, records, steps,
                                                        refill, axis_name)
-  num_slots = state.slots.done.shape[0]
-  batch = batch or num_slots
   if cfg.learn:
     slots, records = slot_lib.on_first_slots(
         lambda t: decode(*t), (state.slots, state.records), batch, num_slots)

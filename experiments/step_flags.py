@@ -1,0 +1,24 @@
+"""Flags of the serve-and-learn step's decoding, shared by the main job and the server."""
+
+from absl import app, flags
+
+BATCH_K = flags.DEFINE_list(
+    "batch_k", ["4:2"],
+    "BATCH:K pairs: a call over BATCH or more slots per device drafts at most K"
+    " tokens per step (K >= 1). Verifying k + 1 tokens in every row is nearly"
+    " free at batch 1 and compute-bound on CPU at 4-8 rows; on TPU and GPU"
+    " pass --batch_k= (none) or larger batches. Ignored with --k=0.")
+
+
+def batch_k(k: int) -> tuple[tuple[int, int], ...]:
+  """--batch_k as (batch, k) pairs (none when k is 0); malformed ones are a usage error."""
+  if not k:
+    return ()
+  pairs = []
+  for item in BATCH_K.value:
+    batch, _, k_b = item.partition(":")
+    if not (batch.isdigit() and k_b.isdigit() and int(batch) and int(k_b)):
+      raise app.UsageError(f"--batch_k takes BATCH:K pairs of positive integers,"
+                           f" got {item!r}.")
+    pairs.append((int(batch), int(k_b)))
+  return tuple(pairs)
