@@ -15,9 +15,9 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from osd_jax.decoding import sampling as sampling_lib
 from osd_jax.decoding.drafts.base import Context, Proposal, Verified
 from osd_jax.decoding.prefill import prefill_hidden
-from osd_jax.decoding import sampling as sampling_lib
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
