@@ -7,11 +7,11 @@ draft, at a few concurrency levels.
 
 Starts `experiments.serve` once per run, with its own draft defaults: --k=0
 (the target alone), --nolearn (the draft stays as it started) and learning
-on, each also with --batch_k (fewer draft tokens per step in larger
-batches), each with every program compiled before it listens. Each gets the same
-shifting query stream (chat endpoint, streamed, greedy) at each concurrency
-level: a closed loop of that many clients. Reports throughput (generated
-tokens/s) and its ratio to the target-only server at the same level, P50/P99
+on, the last two with k at every batch or with --batch_k (fewer draft
+tokens per step in larger batches). Every program is compiled before a
+server listens. Each gets the same shifting query stream (chat endpoint,
+streamed, greedy) at each concurrency level: a closed loop of that many
+clients. Reports throughput (generated tokens/s) and its ratio to the target-only server at the same level, P50/P99
 time to first token and inter-token latency (per request: the time between
 its first and last token over its tokens - 1), and alpha: the level's mean
 over its requests and the server's rolling alpha when the level ends.
@@ -108,10 +108,10 @@ RUN_NAMES = flags.DEFINE_list(
 
 
 def _serve(name: str, levels: list[int], questions: list[str], workdir: str) -> list[dict]:
-  k = [] if name == "target" else [f"--k={K.value}"]
-  k += [f"--batch_k={BATCH_K.value}"] if name.endswith("_batch_k") else ["--batch_k="]
+  draft = [] if name == "target" else [f"--k={K.value}"]
+  draft.append(f"--batch_k={BATCH_K.value if name.endswith('_batch_k') else ''}")
   server = ServerProcess(
-      ["--served_model_name=bench", f"--slots={SLOTS.value}", *k,
+      ["--served_model_name=bench", f"--slots={SLOTS.value}", *draft,
        f"--cache_size={CACHE_SIZE.value}", f"--max_tokens={MAX_TOKENS.value}",
        f"--update_interval={UPDATE_INTERVAL.value}", *RUNS[name],
        f"--compilation_cache={os.path.join(workdir, 'xla')}",

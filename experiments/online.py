@@ -84,7 +84,7 @@ def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
       max_new_tokens=MAX_NEW_TOKENS.value, cache_size=CACHE_SIZE.value,
       steps_per_call=STEPS_PER_CALL.value, learn=learn,
       sample_source=SAMPLE_SOURCE.value, source_mix=SOURCE_MIX.value,
-      num_drafts=num_drafts, batch_k=step_flags.batch_k(k),
+      num_drafts=num_drafts, batch_k=step_flags.batch_k(),
       **learning_flags.online_fields(
           schedule=SCHEDULE.value, schedule_steps=max(
               NUM_REQUESTS.value // learning_flags.UPDATE_INTERVAL.value, 1)))

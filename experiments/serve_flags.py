@@ -59,7 +59,7 @@ def online_config() -> online.OnlineConfig:
   return online.OnlineConfig(
       k=K.value, sampling=None, max_new_tokens=MAX_TOKENS.value,
       cache_size=CACHE_SIZE.value, steps_per_call=STEPS_PER_CALL.value,
-      learn=LEARN.value, batch_k=step_flags.batch_k(K.value),
+      learn=LEARN.value, batch_k=step_flags.batch_k(),
       **learning_flags.online_fields())
 
 

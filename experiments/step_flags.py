@@ -7,13 +7,11 @@ BATCH_K = flags.DEFINE_list(
     "BATCH:K pairs: a call over BATCH or more slots per device drafts at most K"
     " tokens per step (K >= 1). Verifying k + 1 tokens in every row is nearly"
     " free at batch 1 and compute-bound on CPU at 4-8 rows; on TPU and GPU"
-    " pass --batch_k= (none) or larger batches. Ignored with --k=0.")
+    " pass --batch_k= (none) or larger batches.")
 
 
-def batch_k(k: int) -> tuple[tuple[int, int], ...]:
-  """--batch_k as (batch, k) pairs (none when k is 0); malformed ones are a usage error."""
-  if not k:
-    return ()
+def batch_k() -> tuple[tuple[int, int], ...]:
+  """--batch_k as (batch, k) pairs; malformed ones are a usage error."""
   pairs = []
   for item in BATCH_K.value:
     batch, _, k_b = item.partition(":")

@@ -4,8 +4,9 @@ JetStream's shape, over a donated `SpecState` of fixed shape: every slot
 row is an independent request. `insert` prefills one prompt (padded to a
 bucket) straight into a slot; `generate` runs a bounded number of
 speculative steps over all slots (or the first `batch`, which hold every
-request), and ends in the step a slot finishes when requests are waiting; the host refills finished slots between calls, so no
-row waits for the slowest one.
+request), and ends in the step a slot finishes when requests are waiting;
+the host refills finished slots between calls, so no row waits for the
+slowest one.
 """
 
 import dataclasses
