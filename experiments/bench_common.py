@@ -54,14 +54,14 @@ def torch_available() -> bool:
     return False
 
 
-def forward_seconds(params, config, batch: int, num_tokens: int, *,
-                    filled: int = 100, window: int = 256, steps: int = 8,
-                    repeats: int = 3) -> float:
-  """Seconds of one cached forward on num_tokens new tokens per row.
+def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 100,
+                  window: int = 256, steps: int = 8):
+  """A compiled, warmed-up callable returning the seconds of one cached
+  forward on num_tokens new tokens per row.
 
   The cache holds `filled` positions and attention reads `window`, as a
   decode step of the slot engine does; the length never grows, so the same
-  program runs `steps` times per timed call.
+  program runs `steps` times per call (the time returned is per step).
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
@@ -79,12 +79,30 @@ def forward_seconds(params, config, batch: int, num_tokens: int, *,
   state = {"cache": config.init_cache(batch, window).with_lengths(
       jnp.full((batch,), filled, jnp.int32))}
 
-  def call():
-    state["cache"] = run(params, state["cache"])
-    return state["cache"]
+  def call() -> float:
+    start = time.perf_counter()
+    state["cache"] = jax.block_until_ready(run(params, state["cache"]))
+    return (time.perf_counter() - start) / steps
 
-  _, seconds, _ = timed(call, repeats=repeats)
-  return seconds / steps
+  call()  # compile
+  return call
+
+
+def forward_seconds(params, config, batch: int, num_tokens: int, *,
+                    repeats: int = 3, **kwargs) -> float:
+  """Median seconds of one cached forward (see forward_timer)."""
+  call = forward_timer(params, config, batch, num_tokens, **kwargs)
+  return float(np.median([call() for _ in range(repeats)]))
+
+
+def interleaved_seconds(timers: dict, repeats: int) -> dict:
+  """Median seconds of each timer, timed in turn `repeats` rounds over: on a
+  shared machine whose speed drifts, every case sees the same drift."""
+  times = {name: [] for name in timers}
+  for _ in range(repeats):
+    for name, call in timers.items():
+      times[name].append(call())
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def bandwidth_gb_s(num_bytes: int, repeats: int = 5) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 from osd_jax.decoding.prefill import prefill
 from osd_jax.models import config as configs
-from osd_jax.models import llama
+from osd_jax.models import kv_cache, llama
 from tests.tiny_models import random_params
 
 apply = jax.jit(llama.apply, static_argnames=("config", "window"))
@@ -106,6 +106,32 @@ def test_window_narrower_than_the_cache_changes_nothing():
   np.testing.assert_array_equal(cache.lengths, [12, 12])
 
 
+@pytest.mark.parametrize("axis", [kv_cache.KEY_POSITION_AXIS,
+                                  kv_cache.VALUE_POSITION_AXIS])
+@pytest.mark.parametrize("rows", [3, 40])  # per-row writes; one scatter past 32
+def test_cache_write_puts_each_row_at_its_start(axis, rows):
+  """Keys ([N, D, S]) and values ([N, S, D]): row b's T new entries land at
+  positions starts[b]..+T-1 of its heads' rows; nothing else changes."""
+  heads, t, d, size = 2, 3, 4, 16
+  rng = np.random.default_rng(axis * 100 + rows)
+  shape = (rows * heads, d, size) if axis == kv_cache.KEY_POSITION_AXIS else (
+      rows * heads, size, d)
+  store = rng.standard_normal(shape).astype(np.float32)
+  new = rng.standard_normal((rows, t, heads, d)).astype(np.float32)
+  starts = rng.integers(0, size - t + 1, rows)
+  got = np.asarray(jax.jit(kv_cache.write, static_argnums=3)(
+      jnp.asarray(store), jnp.asarray(new), jnp.asarray(starts), axis))
+  want = store.copy()
+  for b in range(rows):
+    for h in range(heads):
+      for i in range(t):
+        if axis == kv_cache.KEY_POSITION_AXIS:
+          want[b * heads + h, :, starts[b] + i] = new[b, i, h]
+        else:
+          want[b * heads + h, starts[b] + i, :] = new[b, i, h]
+  np.testing.assert_array_equal(got, want)
+
+
 def test_insert_row_replaces_one_row_only():
   """A one-row cache (a shorter prompt bucket) lands in its row; others untouched."""
   config = CONFIGS["gqa"]
@@ -120,11 +146,18 @@ def test_insert_row_replaces_one_row_only():
     np.testing.assert_array_equal(merged.lengths, np.where(np.arange(2) == row, 5, 12))
     mine = slice(row * heads, (row + 1) * heads)
     other = slice((1 - row) * heads, (2 - row) * heads)
-    for got, old, new in zip(merged.k + merged.v, big.k + big.v, one.k + one.v):
+    pairs = [(got, old, new, kv_cache.KEY_POSITION_AXIS)
+             for got, old, new in zip(merged.k, big.k, one.k)]
+    pairs += [(got, old, new, kv_cache.VALUE_POSITION_AXIS)
+              for got, old, new in zip(merged.v, big.v, one.v)]
+    for got, old, new, axis in pairs:
       got, old = np.asarray(got), np.asarray(old)
       np.testing.assert_array_equal(got[other], old[other])
-      np.testing.assert_array_equal(got[mine, :16], new)
-      np.testing.assert_array_equal(got[mine, 16:], old[mine, 16:])  # stale, unread
+      positions = lambda x, part, axis=axis: x[(mine,) + (slice(None),) * (axis - 1)
+                                               + (part,)]
+      np.testing.assert_array_equal(positions(got, slice(0, 16)), new)
+      np.testing.assert_array_equal(positions(got, slice(16, None)),
+                                    positions(old, slice(16, None)))  # stale, unread
     # Decoding on from the inserted row is decoding on from its own prompt.
     nxt = random_tokens((2, 1), 64, seed=8)
     logits, _ = apply(params, config, nxt, merged)
@@ -207,11 +240,9 @@ def test_rollback_then_reappend_equals_fresh():
   padded, lens = pad_right(sequences, config.pad_id)
   _, fresh = prefill_jit(params, config, padded, lens,
                          config.init_cache(2, CACHE_SIZE))
-  heads = config.num_kv_heads
-  for got, want in zip(cache.k + cache.v, fresh.k + fresh.v):
-    for row, n in enumerate(np.asarray(lens)):
-      rows = slice(row * heads, (row + 1) * heads)
-      assert_close(np.asarray(got[rows, :n]), np.asarray(want[rows, :n]))
+  for row, n in enumerate(np.asarray(lens)):
+    for got, want in zip(cache.valid_entries(row, n), fresh.valid_entries(row, n)):
+      assert_close(np.asarray(got), np.asarray(want))
 
 
 def test_restricted_head_masks_other_tokens():

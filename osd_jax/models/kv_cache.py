@@ -1,7 +1,11 @@
 """Explicit KV cache: a pytree passed in and returned; rolling back moves `lengths`.
 
-Each layer owns one array laid out [batch * kv_heads, cache_size, head_dim].
-On CPU this is what makes decoding fast: a separate buffer per layer is
+Each layer owns a values array laid out [batch * kv_heads, cache_size,
+head_dim] and a keys array stored transposed, [batch * kv_heads, head_dim,
+cache_size], so that attention's scores are plain matrix products: on XLA's
+CPU backend, 30 layers of SmolLM2's attention at batch 8 over 256 positions
+took 6.2 ms this way against 8.3 ms contracting the keys' minor axis. The
+rest of the layout is what makes CPU decoding fast too: a separate buffer per layer is
 updated in place (one stacked array is sliced and copied per layer), and the
 flat leading axis has no size-1 dimension at batch 1 for XLA to squeeze away,
 which would also turn the in-place write into a copy of the cache.
@@ -16,21 +20,22 @@ import jax.numpy as jnp
 class KVCache:
   """Keys and values of every layer plus how many positions each row holds."""
 
-  k: tuple[jax.Array, ...]  # per layer [batch * kv_heads, cache_size, head_dim]
+  k: tuple[jax.Array, ...]  # per layer [batch * kv_heads, head_dim, cache_size]
   v: tuple[jax.Array, ...]  # per layer [batch * kv_heads, cache_size, head_dim]
   lengths: jax.Array  # [batch] int32: positions < lengths[b] are valid
 
   @classmethod
   def empty(cls, *, num_layers: int, batch_size: int, cache_size: int,
             num_kv_heads: int, head_dim: int, dtype) -> "KVCache":
-    shape = (batch_size * num_kv_heads, cache_size, head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
+    rows = batch_size * num_kv_heads
+    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return cls(k=zeros((rows, head_dim, cache_size)), v=zeros((rows, cache_size, head_dim)),
+               lengths=jnp.zeros((batch_size,), jnp.int32))
 
   @property
   def size(self) -> int:
     """Positions per sequence."""
-    return self.k[0].shape[1]
+    return self.v[0].shape[VALUE_POSITION_AXIS]
 
   @property
   def batch_size(self) -> int:
@@ -44,6 +49,13 @@ class KVCache:
     """Same storage, new valid lengths: this is how rejected tokens roll back."""
     return self.replace(lengths=lengths_B.astype(jnp.int32))
 
+  def valid_entries(self, row: int, n: int) -> list[jax.Array]:
+    """Row `row`'s keys then values at positions < n, every layer, each
+    [kv_heads, n, head_dim]: one layout to compare caches in."""
+    rows = slice(row * self.num_kv_heads, (row + 1) * self.num_kv_heads)
+    return ([k[rows, :, :n].swapaxes(1, 2) for k in self.k]
+            + [v[rows, :n] for v in self.v])
+
   def insert_row(self, row: jax.Array, one: "KVCache") -> "KVCache":
     """Row `row` takes the contents of a one-row cache (the slot engine's insert).
 
@@ -52,12 +64,17 @@ class KVCache:
     NaN (a previous request's) would still be NaN.
     """
     heads = self.num_kv_heads
-    pad = lambda small: jnp.pad(small, ((0, 0), (0, self.size - small.shape[1]),
-                                        (0, 0)))
-    put = lambda big, small: jax.lax.dynamic_update_slice(
-        big, pad(small.astype(big.dtype)), (row * heads, 0, 0))
+
+    def put(big, small, axis):
+      widths = [(0, 0)] * 3
+      widths[axis] = (0, self.size - small.shape[axis])
+      return jax.lax.dynamic_update_slice(
+          big, jnp.pad(small.astype(big.dtype), widths), (row * heads, 0, 0))
+
+    put_keys = lambda big, small: put(big, small, KEY_POSITION_AXIS)
+    put_values = lambda big, small: put(big, small, VALUE_POSITION_AXIS)
     return self.replace(
-        k=tuple(map(put, self.k, one.k)), v=tuple(map(put, self.v, one.v)),
+        k=tuple(map(put_keys, self.k, one.k)), v=tuple(map(put_values, self.v, one.v)),
         lengths=self.lengths.at[row].set(one.lengths[0]))
 
   def first_rows(self, n: int) -> "KVCache":
@@ -73,32 +90,41 @@ class KVCache:
                    lengths=self.lengths.at[:part.batch_size].set(part.lengths))
 
 
+# Where positions run in each layer's arrays.
+KEY_POSITION_AXIS = 2
+VALUE_POSITION_AXIS = 1
 # Up to this many rows, one dynamic_update_slice each (fastest on CPU, measured
 # at batch 8); beyond, a single scatter.
 _MAX_UNROLLED_ROWS = 32
 
 
-def write(store_NxSxD: jax.Array, new_BxTxHxD: jax.Array,
-          starts_B: jax.Array | None) -> jax.Array:
-  """One layer's store with row b's T new positions written from starts[b].
+def write(store: jax.Array, new_BxTxHxD: jax.Array, starts_B: jax.Array | None,
+          position_axis: int = VALUE_POSITION_AXIS) -> jax.Array:
+  """One layer's keys or values with row b's T new positions written from starts[b].
 
+  `store` is [N, S, D] (position_axis 1, values) or [N, D, S] (2, keys).
   A dynamic_update_slice per row: O(new tokens), in place when the cache is
   donated. XLA clamps an out-of-range start, so callers keep start + T <= size.
   `starts_B` None means every row starts at 0 (a prefill): one write for all.
   """
   b, t, heads, d = new_BxTxHxD.shape
-  new = new_BxTxHxD.astype(store_NxSxD.dtype).transpose(0, 2, 1, 3)
+  new = new_BxTxHxD.astype(store.dtype).transpose(0, 2, 1, 3)  # [B, H, T, D]
+  if position_axis == KEY_POSITION_AXIS:
+    new = new.swapaxes(2, 3)  # [B, H, D, T]
+  flat = new.reshape((b * heads,) + new.shape[2:])
   if starts_B is None:
-    flat = new.reshape(b * heads, t, d)
-    if t == store_NxSxD.shape[1]:
+    if t == store.shape[position_axis]:
       return flat
-    return jax.lax.dynamic_update_slice(store_NxSxD, flat, (0, 0, 0))
+    return jax.lax.dynamic_update_slice(store, flat, (0, 0, 0))
   if b > _MAX_UNROLLED_ROWS:  # one scatter: a loop this long compiles slowly
     rows = jnp.arange(b * heads)[:, None]
     positions = jnp.repeat(starts_B, heads)[:, None] + jnp.arange(t)[None, :]
-    return store_NxSxD.at[rows, positions].set(new.reshape(b * heads, t, d),
-                                               mode="drop")
+    if position_axis == VALUE_POSITION_AXIS:
+      return store.at[rows, positions].set(flat, mode="drop")
+    return store.at[rows[:, :, None], jnp.arange(d)[None, :, None],
+                    positions[:, None, :]].set(flat, mode="drop")
   for row in range(b):
-    store_NxSxD = jax.lax.dynamic_update_slice(
-        store_NxSxD, new[row], (row * heads, starts_B[row], 0))
-  return store_NxSxD
+    start = [row * heads, 0, 0]
+    start[position_axis] = starts_B[row]
+    store = jax.lax.dynamic_update_slice(store, new[row], tuple(start))
+  return store

@@ -70,16 +70,17 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array,
 
 
 def flat_heads(x_BxTxHxD: jax.Array) -> jax.Array:
-  """[B, T, H, D] -> [B * H, T, D], the cache's layout."""
+  """[B, T, H, D] -> [B * H, T, D], the cache's layout of values."""
   b, t, h, d = x_BxTxHxD.shape
   return x_BxTxHxD.transpose(0, 2, 1, 3).reshape(b * h, t, d)
 
 
-def attend(q_BxTxHxD: jax.Array, keys_NxSxD: jax.Array, values_NxSxD: jax.Array,
+def attend(q_BxTxHxD: jax.Array, keys_NxDxS: jax.Array, values_NxSxD: jax.Array,
            q_index_BxT: jax.Array, num_kv_heads: int) -> jax.Array:
   """Grouped-query attention; key s is visible to a query at index p iff s <= p.
 
-  Keys and values are [batch * kv_heads, S, head_dim], key s at position s.
+  Keys are [batch * kv_heads, head_dim, S] and values [batch * kv_heads, S,
+  head_dim] (the cache's layouts), position s at index s.
   The query heads of one KV head are stacked as rows of one matrix, so each
   (row, KV head) is a single small matmul.
   """
@@ -87,8 +88,8 @@ def attend(q_BxTxHxD: jax.Array, keys_NxSxD: jax.Array, values_NxSxD: jax.Array,
   groups = h // num_kv_heads
   q = q_BxTxHxD.reshape(b, t, num_kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
   q = q.reshape(b * num_kv_heads, t * groups, d) * jnp.asarray(d ** -0.5, q.dtype)
-  scores = jnp.einsum("nqd,nsd->nqs", q, keys_NxSxD.astype(q.dtype))
-  s = keys_NxSxD.shape[1]
+  scores = jnp.einsum("nqd,nds->nqs", q, keys_NxDxS.astype(q.dtype))
+  s = keys_NxDxS.shape[2]
   scores = scores.astype(jnp.float32).reshape(b, num_kv_heads, t, groups, s)
   is_visible_BxTxS = jnp.arange(s) <= q_index_BxT[:, :, None]
   scores = jnp.where(is_visible_BxTxS[:, None, :, None], scores, -jnp.inf)
@@ -131,13 +132,13 @@ def decoder_layer(config: LlamaConfig, x, layer, positions_BxT, store, starts_B,
   """
   q, k, v = project_qkv(config, layer, x, positions_BxT)
   if store is not None:
-    store = (kv_cache.write(store[0], k, starts_B),
+    store = (kv_cache.write(store[0], k, starts_B, kv_cache.KEY_POSITION_AXIS),
              kv_cache.write(store[1], v, starts_B))
   if window is None:  # keys are the new tokens alone, indexed from 0
-    keys, values = flat_heads(k), flat_heads(v)
+    keys, values = flat_heads(k).swapaxes(1, 2), flat_heads(v)
     q_index_BxT = positions_BxT - positions_BxT[:, :1]
   else:  # keys are cache positions
-    keys, values = store[0][:, :window], store[1][:, :window]
+    keys, values = store[0][:, :, :window], store[1][:, :window]
     q_index_BxT = positions_BxT
   attn = attend(q, keys, values, q_index_BxT, config.num_kv_heads)
   return block_output(config, layer, x, attn), store
