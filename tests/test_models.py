@@ -153,11 +153,10 @@ def test_insert_row_replaces_one_row_only():
     for got, old, new, axis in pairs:
       got, old = np.asarray(got), np.asarray(old)
       np.testing.assert_array_equal(got[other], old[other])
-      positions = lambda x, part, axis=axis: x[(mine,) + (slice(None),) * (axis - 1)
-                                               + (part,)]
-      np.testing.assert_array_equal(positions(got, slice(0, 16)), new)
-      np.testing.assert_array_equal(positions(got, slice(16, None)),
-                                    positions(old, slice(16, None)))  # stale, unread
+      inserted, rest = np.arange(16), np.arange(16, got.shape[axis])
+      np.testing.assert_array_equal(np.take(got[mine], inserted, axis), new)
+      np.testing.assert_array_equal(np.take(got[mine], rest, axis),
+                                    np.take(old[mine], rest, axis))  # stale, unread
     # Decoding on from the inserted row is decoding on from its own prompt.
     nxt = random_tokens((2, 1), 64, seed=8)
     logits, _ = apply(params, config, nxt, merged)

@@ -71,10 +71,9 @@ class KVCache:
       return jax.lax.dynamic_update_slice(
           big, jnp.pad(small.astype(big.dtype), widths), (row * heads, 0, 0))
 
-    put_keys = lambda big, small: put(big, small, KEY_POSITION_AXIS)
-    put_values = lambda big, small: put(big, small, VALUE_POSITION_AXIS)
     return self.replace(
-        k=tuple(map(put_keys, self.k, one.k)), v=tuple(map(put_values, self.v, one.v)),
+        k=tuple(put(big, small, KEY_POSITION_AXIS) for big, small in zip(self.k, one.k)),
+        v=tuple(put(big, small, VALUE_POSITION_AXIS) for big, small in zip(self.v, one.v)),
         lengths=self.lengths.at[row].set(one.lengths[0]))
 
   def first_rows(self, n: int) -> "KVCache":
