@@ -10,7 +10,8 @@ UPDATE_INTERVAL = flags.DEFINE_integer(
 UPDATE_STEPS = flags.DEFINE_integer(
     "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
 BUFFER_CAPACITY = flags.DEFINE_integer(
-    "buffer_capacity", 16, "Samples kept per device (and draft).")
+    "buffer_capacity", 8, "Samples kept per device (and draft); with the"
+    " default --update_interval, each sample is in one update.")
 KEEP_BUFFER = flags.DEFINE_bool(
     "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
     " is seen capacity / update_interval times (the paper clears it:"

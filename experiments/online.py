@@ -176,8 +176,10 @@ def main(argv):
       if reporter is not None:
         reporter.close()
         open(done_marker, "w").close()
+        saving = (f"; {ckpt.saves} checkpoint saves took {ckpt.seconds:.0f} s,"
+                  " not counted as serving" if ckpt is not None and ckpt.saves else "")
         print(f"[{name}] done in {time.perf_counter() - start:.0f} s,"
-              f" {reporter.errors} requests refused (too long for a slot)")
+              f" {reporter.errors} requests refused (too long for a slot){saving}")
     if primary:
       summaries.append(summarize(name, path, WINDOW.value))
   if checkpointer is not None:

@@ -210,6 +210,22 @@ def test_top_k_matches_numpy():
   np.testing.assert_array_equal(probs, np.take_along_axis(p, order, -1))
 
 
+
+@pytest.mark.parametrize("vocab", [49152, 40000])  # SmolLM2's; not a whole block
+@pytest.mark.parametrize("k", [1, 32])
+def test_top_k_over_a_large_vocabulary_is_exact(vocab, k):
+  """The two-stage top-k (blocks, then their entries) equals numpy's, also
+  when most of the top-k crowd into one block and the rest are far apart."""
+  rng = np.random.default_rng(vocab + k)
+  logits = rng.standard_normal((3, 2, vocab)).astype(np.float32)
+  logits[0, 0, 128:128 + k] += 20  # all k in one block
+  logits[1, 1, vocab - 3:] += 20  # the tail past the last whole block
+  p = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+  ids, probs = teacher.top_k(jnp.asarray(p), k)
+  order = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+  np.testing.assert_array_equal(ids, order)
+  np.testing.assert_array_equal(probs, np.take_along_axis(p, order, -1))
+
 @pytest.mark.parametrize("k", [1, 4, V])
 def test_dense_keeps_top_k_and_total_mass(k):
   p = dirichlet(21)

@@ -12,6 +12,7 @@ import io
 import os
 import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -230,3 +231,32 @@ def test_stream_ending_on_a_checkpoint(tmp_path):
   again = run(directory, resume=True, queries=queries, config={"short": True})
   assert again["records"] == [] and again["saved"] == []
   assert tree_equal(again["state"], done["state"])
+
+
+def test_checkpoint_saves_stop_the_serving_clock(tmp_path, monkeypatch):
+  """Timings measure serving: a save, here one that takes 1000 s on the host
+  clock, adds nothing to any request's times. The Checkpointer counts it."""
+  lost = [0.0]
+  monkeypatch.setattr(driver, "_host_seconds", lambda: time.perf_counter() + lost[0])
+
+  class SlowSaves(Checkpointer):
+    def save(self, step, state, host_state):
+      super().save(step, state, host_state)
+      lost[0] += 1000.0
+
+  target, draft = tiny_pair()
+  checkpointer = SlowSaves(str(tmp_path / "run"), run_config(), resume=False)
+  records = []
+  try:
+    driver.run_stream(target, draft, QUERIES[:10], DRAFTS, num_slots=SLOTS,
+                      mesh=online.make_mesh(DEVICES), seed=0, chat=False,
+                      categories=CATEGORIES, checkpointer=checkpointer,
+                      checkpoint_every=EVERY, on_request=records.append)
+  finally:
+    checkpointer.close()
+  served = [r for r in records if "error" not in r]
+  assert checkpointer.saves >= 3 and lost[0] >= 3000  # mid-stream and at exit
+  assert checkpointer.seconds < 1000  # its own clock: the real save time
+  assert len(served) == 9  # request TOO_LONG is refused
+  assert max(r["finished_s"] for r in served) < 1000
+  assert max(r["queue_s"] + r["ttft_s"] for r in served) < 1000

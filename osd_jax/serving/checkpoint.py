@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -66,6 +67,7 @@ class Checkpointer:
       os.makedirs(self.directory, exist_ok=True)
       with open(config_file, "w") as f:
         json.dump(self.run_config, f, indent=2)
+    self.saves, self.seconds = 0, 0.0  # saves made, and the time they took
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
@@ -73,10 +75,13 @@ class Checkpointer:
 
   def save(self, step: int, state: OnlineState, host: dict) -> None:
     """Writes state and host-side progress (stream position, counters)."""
+    start = time.perf_counter()
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_storable(state)),
         host=ocp.args.JsonSave(host)), force=True)
     self.manager.wait_until_finished()
+    self.saves += 1
+    self.seconds += time.perf_counter() - start
 
   def restore_latest(self, template: OnlineState):
     """(state, host) of the newest checkpoint, or None if there is none."""

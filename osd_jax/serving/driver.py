@@ -9,6 +9,7 @@ so a run resumed from a checkpoint (requests in flight included) makes the
 same calls as an uninterrupted one.
 """
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,33 @@ def request_record(index: int, query: Query, slot_metrics: dict, new_tokens: int
           "accepted": m["accepted"], "proposed": m["proposed"],
           "target_calls": m["target_calls"], "new_tokens": new_tokens,
           "prompt_tokens": prompt_tokens}
+
+
+_host_seconds = time.perf_counter  # what ServingClock reads (tests replace it)
+
+
+class ServingClock:
+  """Seconds of serving: a host clock that stops while a checkpoint is saved.
+
+  Saving is the online pass's fault tolerance, not serving; with the clock
+  running through it, a save every 64 requests (1.1 s each for SmolLM2 at
+  batch 1 on the CPU) would read as slower decoding next to passes that save
+  nothing. Its cost is reported on its own (Checkpointer.seconds).
+  """
+
+  def __init__(self):
+    self._now, self._stopped = _host_seconds, 0.0
+
+  def __call__(self) -> float:
+    return self._now() - self._stopped
+
+  @contextlib.contextmanager
+  def stopped(self):
+    start = self._now()
+    try:
+      yield
+    finally:
+      self._stopped += self._now() - start
 
 
 class _Host:
@@ -176,12 +204,13 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   # A stream's requests all sample as cfg.sampling says (static: unused).
   sampling = jax.device_get(RowSampling.fill(cfg.sampling or Sampling(), devices))
   ids_cache: dict[int, list[int]] = {}
-  # Timings (seconds, host clock), measured at call boundaries. A replayed
-  # stream arrives all at once, as a benchmark at an unbounded request rate:
-  # queue_s is the wait for a slot, ttft_s ends with the call that emitted a
-  # request's first token, and itl_s is its decoding time per output token
-  # from the start of that call.
-  start_time = time.perf_counter()
+  # Timings (seconds of the serving clock), measured at call boundaries. A
+  # replayed stream arrives all at once, as a benchmark at an unbounded
+  # request rate: queue_s is the wait for a slot, ttft_s ends with the call
+  # that emitted a request's first token, and itl_s is its decoding time per
+  # output token from the start of that call.
+  clock = ServingClock()
+  start_time = clock()
   admitted: dict[int, float] = {}
   first_token: dict[int, tuple[float, float]] = {}  # (call start, call end)
   call_start = start_time
@@ -235,7 +264,7 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
         lens[device], slot[device] = len(ids), local
         routes[device], key_rows[device] = route(index), index
         host.owner[device * per_device + local] = index
-        admitted[index] = time.perf_counter()
+        admitted[index] = clock()
       budget = np.full((devices,), cfg.max_new_tokens, np.int32)
       state = step.insert(target_params, state, rows(prompts), rows(lens),
                           rows(budget), rows(slot), rows(routes),
@@ -246,7 +275,7 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
     done, lengths, prompt_lens = distributed.gather(
         (state.slots.done, state.slots.lengths, state.slots.prompt_lens))
     finished = [s for s in range(num_slots) if host.owner[s] >= 0 and done[s]]
-    now = time.perf_counter()
+    now = clock()
     for s in range(num_slots):
       if host.owner[s] >= 0 and lengths[s] + 1 > prompt_lens[s]:
         first_token.setdefault(host.owner[s], (call_start, now))
@@ -282,7 +311,8 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   def save():
     nonlocal saved_at
     if checkpointer is not None and saved_at != host.served:
-      checkpointer.save(host.served, state, host.to_json())
+      with clock.stopped():
+        checkpointer.save(host.served, state, host.to_json())
       saved_at = host.served
 
   last_saved = host.served
@@ -293,7 +323,7 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       break  # the rest of the stream was refused
     lengths = distributed.gather(state.slots.lengths)
     window = cfg.window(int(lengths[occupied].max()))
-    call_start = time.perf_counter()
+    call_start = clock()
     state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
                             window=window,
                             batch=slot_lib.occupied_batch(occupied, per_device),
