@@ -22,7 +22,8 @@ TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus mass; 1.0 = off.")
 TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely; 0 = off.")
 SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 CHAT = flags.DEFINE_bool("chat", False, "Apply the tokenizer's chat template.")
-K = flags.DEFINE_integer("k", 0, "Draft tokens per step; 0 = target only.")
+K = flags.DEFINE_integer("k", 0, "Draft tokens per step; 0 = target only.",
+                        lower_bound=0)
 OUTPUT = flags.DEFINE_enum("output", "text", ["text", "json"], "Output format.")
 model_flags.serve_with_the_best_draft()  # the draft of --k >= 1
 

@@ -4,15 +4,18 @@
   python -m experiments.online --num_requests=48 --output_dir=/tmp/o  # a quick look
 
 Serves the same stream three times with continuous batching: target-only,
-speculatively with the draft kept static, and learning online. Reports
-alpha, tokens per target call, tokens/s and the speed-up over target-only
-per segment and over the last window, and plots alpha and tokens/s.
+speculatively with the draft kept static, and learning online. The passes
+take turns, one stream segment each, so each segment's three timings are
+minutes apart rather than a whole pass apart (a shared host's speed drifts
+by 10-15 % over minutes). Reports alpha, tokens per target call, tokens/s
+and the speed-up over target-only per segment and over the last window, and
+plots alpha and tokens/s.
 """
 
 import dataclasses
 import json
 import os
-import time
+from collections.abc import Callable, Iterator
 
 from absl import app, flags
 
@@ -27,7 +30,7 @@ from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.report import Reporter, read_jsonl, speed_summary
 
 # Serving.
-K = flags.DEFINE_integer("k", 4, "Draft tokens per speculative step.")
+K = flags.DEFINE_integer("k", 4, "Draft tokens per speculative step.", lower_bound=1)
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Serving temperature; 0 = greedy.")
 TOP_P = flags.DEFINE_float("top_p", 1.0, "Serving nucleus mass.")
 TOP_K = flags.DEFINE_integer("top_k", 0, "Serving top-k; 0 = off.")
@@ -72,6 +75,10 @@ CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 64, "Requests betwee
 RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_dir.")
 model_flags.serve_with_the_best_draft()
 
+INTERLEAVE = flags.DEFINE_bool(
+    "interleave", True, "Serve the passes in turns, a stream segment each (a"
+    " turn ends where the domain changes, after at least --window requests);"
+    " off: each pass serves the whole stream before the next starts.")
 WINDOW = flags.DEFINE_integer(
     "window", 16, "Requests in the rolling alpha and in the per-segment and"
     " last-window figures.")
@@ -88,6 +95,28 @@ def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
       **learning_flags.online_fields(
           schedule=SCHEDULE.value, schedule_steps=max(
               NUM_REQUESTS.value // learning_flags.UPDATE_INTERVAL.value, 1)))
+
+
+def turn_ends(queries: list[driver.Query], min_requests: int) -> list[int]:
+  """Where one pass's turn ends: each domain change at least `min_requests` on."""
+  ends = [0]
+  for i in range(1, len(queries)):
+    if queries[i].domain != queries[i - 1].domain and i - ends[-1] >= min_requests:
+      ends.append(i)
+  return ends[1:]
+
+
+def serve_in_turns(runs: dict[str, Iterator], interleave: bool,
+                   on_done: Callable[[str], None]) -> None:
+  """Interleaved, the passes go round in turns, each up to its next pause;
+  otherwise each runs to its end before the next starts."""
+  groups = [list(runs)] if interleave else [[name] for name in runs]
+  for group in groups:
+    while group:
+      for name in list(group):
+        if next(runs[name], None) is None:
+          group.remove(name)
+          on_done(name)
 
 
 def summarize(name: str, path: str, tail: int) -> dict:
@@ -111,14 +140,28 @@ def with_speedups(summaries: list[dict]) -> list[dict]:
   return summaries
 
 
+def _done_marker(name: str) -> str:
+  return os.path.join(OUTPUT_DIR.value, f"{name}.done")
+
+
+def _finish(name: str, reporter: Reporter | None, ckpt: Checkpointer | None) -> None:
+  """Closes a pass that has served its whole stream."""
+  if reporter is None:
+    return
+  reporter.close()
+  open(_done_marker(name), "w").close()
+  saving = (f"; {ckpt.saves} checkpoint saves took {ckpt.seconds:.0f} s, not"
+            " counted" if ckpt is not None and ckpt.saves else "")
+  print(f"[{name}] {reporter.serving_s:.0f} s of serving,"
+        f" {reporter.errors} requests refused (too long for a slot){saving}")
+
+
 def main(argv):
   del argv
   multihost_flags.maybe_initialize()
   unknown = set(RUNS.value) - {"target", "static", "online"}
   if unknown:
     raise app.UsageError(f"--runs has unknown passes {sorted(unknown)}.")
-  target = model_flags.load_target()
-  draft = model_flags.load_draft(target)
   num_devices = None if DEVICES.value == "all" else int(DEVICES.value)
   if num_devices and multihost_flags.MULTIHOST.value:
     raise app.UsageError("--multihost runs on every device: keep --devices=all.")
@@ -128,11 +171,14 @@ def main(argv):
       category_key=CATEGORY_KEY.value, manual_dir=MANUAL_DIR.value)]
   categories = sorted({q.category for q in queries})
   num_drafts = len(categories) if NUM_DRAFTS.value == "per_category" else 1
-  learnable = draft.params != ()
-  if "online" in RUNS.value and not learnable:
+  # Settings are checked before the draft loads: a first run builds its warm
+  # start there, which takes minutes.
+  cfg = online_config(num_drafts, K.value, learn=True)
+  target = model_flags.load_target()
+  draft = model_flags.load_draft(target)
+  if "online" in RUNS.value and draft.params == ():
     raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
                          " pass --runs=target,static.")
-  cfg = online_config(num_drafts, K.value, learn=True)
   print(f"target {target.source}\ndraft {draft.source}\n{len(queries)} requests,"
         f" categories {categories}, {mesh.size} device(s), {SLOTS.value} slots,"
         f" {num_drafts} draft(s)")
@@ -154,39 +200,33 @@ def main(argv):
       "static": (draft, dataclasses.replace(cfg, learn=False), None),
       "online": (draft, cfg, checkpointer)}
   primary = distributed.is_primary()  # only process 0 writes results
-  summaries = []
-  for name in [r for r in ("target", "static", "online") if r in RUNS.value]:
+  pauses = turn_ends(queries, WINDOW.value) if INTERLEAVE.value else []
+  names = [r for r in ("target", "static", "online") if r in RUNS.value]
+  serving, reporters = {}, {}
+  for name in names:
     run_draft, run_cfg, ckpt = passes[name]
-    path = os.path.join(OUTPUT_DIR.value, f"{name}.jsonl")
-    done_marker = os.path.join(OUTPUT_DIR.value, f"{name}.done")
-    if ckpt is None and RESUME.value and os.path.exists(done_marker):
+    if ckpt is None and RESUME.value and os.path.exists(_done_marker(name)):
       print(f"[{name}] already done; not repeated on resume")
-    else:
-      reporter = (Reporter(OUTPUT_DIR.value, name, total=len(queries),
-                           window=WINDOW.value,
-                           append=RESUME.value and ckpt is not None)
-                  if primary else None)
-      start = time.perf_counter()
-      driver.run_stream(target, run_draft, queries, run_cfg, num_slots=SLOTS.value,
-                        mesh=mesh, seed=SEED.value, chat=CHAT.value,
-                        categories=categories, checkpointer=ckpt,
-                        checkpoint_every=CHECKPOINT_EVERY.value,
-                        on_request=reporter or (lambda record: None),
-                        compile_first=True)
-      if reporter is not None:
-        reporter.close()
-        open(done_marker, "w").close()
-        saving = (f"; {ckpt.saves} checkpoint saves took {ckpt.seconds:.0f} s,"
-                  " not counted as serving" if ckpt is not None and ckpt.saves else "")
-        print(f"[{name}] done in {time.perf_counter() - start:.0f} s,"
-              f" {reporter.errors} requests refused (too long for a slot){saving}")
-    if primary:
-      summaries.append(summarize(name, path, WINDOW.value))
+      continue
+    reporters[name] = (Reporter(OUTPUT_DIR.value, name, total=len(queries),
+                                window=WINDOW.value,
+                                append=RESUME.value and ckpt is not None)
+                       if primary else None)
+    serving[name] = driver.serve_stream(
+        target, run_draft, queries, run_cfg, num_slots=SLOTS.value, mesh=mesh,
+        seed=SEED.value, chat=CHAT.value, categories=categories,
+        checkpointer=ckpt, checkpoint_every=CHECKPOINT_EVERY.value,
+        on_request=reporters[name] or (lambda record: None), compile_first=True,
+        pauses=pauses)
+  serve_in_turns(serving, INTERLEAVE.value,
+                 lambda name: _finish(name, reporters[name], passes[name][2]))
   if checkpointer is not None:
     checkpointer.close()
   if not primary:
     return
-  summaries = with_speedups(summaries)
+  summaries = with_speedups([
+      summarize(name, os.path.join(OUTPUT_DIR.value, f"{name}.jsonl"), WINDOW.value)
+      for name in names])
   records = {s["run"]: read_jsonl(os.path.join(OUTPUT_DIR.value, f"{s['run']}.jsonl"))
              for s in summaries}
   plots.stream_figures(records, OUTPUT_DIR.value, window=WINDOW.value,

@@ -16,7 +16,7 @@ DRAIN_S = flags.DEFINE_integer(
     " before they are cut off with an error.")
 # Serving.
 K = flags.DEFINE_integer("k", 4, "Draft tokens per speculative step; 0 serves the"
-                        " target alone (with --nolearn).")
+                        " target alone (with --nolearn).", lower_bound=0)
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "The most tokens a request may ask for.")
 CACHE_SIZE = flags.DEFINE_integer(
     "cache_size", 1024, "Positions per slot: prompt + max_tokens + k must fit.")

@@ -72,8 +72,9 @@ def test_truncated_gguf(tmp_path):
 
 @pytest.mark.real_model
 def test_negative_k():
+  """Refused while parsing flags, before a draft (and its warm start) loads."""
   assert_user_error(run("-m", "experiments.generate", "--k=-1", "--max_new_tokens=2"),
-                    "k must be >= 0")
+                    "--k=-1", "non-negative")
 
 
 @pytest.mark.real_model
@@ -145,4 +146,4 @@ def test_online_run_shows_no_library_logs(tmp_path):
   for noise in ("orbax", "Downloading and preparing", "Generating splits",
                 "Shuffling", "PyTorch was not found"):
     assert noise not in output, noise
-  assert "[online] done in" in done.stdout
+  assert re.search(r"\[online\] \d+ s of serving", done.stdout), done.stdout

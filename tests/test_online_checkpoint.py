@@ -68,9 +68,9 @@ class Saves(Checkpointer):
 
 
 def run(directory, *, resume, queries=QUERIES, cfg=DRAFTS, stop_after=None,
-        config=None) -> dict:
+        config=None, pauses=()) -> dict:
   """One driver run: final state (numpy; None if interrupted), records without
-  timings, records emitted at each save, and what it printed."""
+  timings, records emitted at each save and at each pause, and what it printed."""
   target, draft = tiny_pair()
   records = []
 
@@ -82,20 +82,22 @@ def run(directory, *, resume, queries=QUERIES, cfg=DRAFTS, stop_after=None,
   checkpointer = Saves(directory, config or run_config(cfg), resume=resume,
                        records=records)
   printed = io.StringIO()
-  state = None
+  state, pieces = None, []
   try:
     with contextlib.redirect_stdout(printed):
-      state = host(driver.run_stream(
+      for state in driver.serve_stream(
           target, draft, queries, cfg, num_slots=SLOTS,
           mesh=online.make_mesh(DEVICES), seed=0, chat=False,
           categories=CATEGORIES, checkpointer=checkpointer,
-          checkpoint_every=EVERY, on_request=on_request))
+          checkpoint_every=EVERY, on_request=on_request, pauses=pauses):
+        pieces.append(len(records))
+      state = host(state)
   except Interrupt:
-    pass
+    state = None
   finally:
     checkpointer.close()
   return dict(state=state, records=records, saved=checkpointer.saved,
-              printed=printed.getvalue())
+              pieces=pieces, printed=printed.getvalue())
 
 
 def snapshot(directory):
@@ -258,5 +260,57 @@ def test_checkpoint_saves_stop_the_serving_clock(tmp_path, monkeypatch):
   assert checkpointer.saves >= 3 and lost[0] >= 3000  # mid-stream and at exit
   assert checkpointer.seconds < 1000  # its own clock: the real save time
   assert len(served) == 9  # request TOO_LONG is refused
+  assert max(r["finished_s"] for r in served) < 1000
+  assert max(r["queue_s"] + r["ttft_s"] for r in served) < 1000
+
+
+PAUSES = (8, 15)  # where a paused stream hands its turn to another pass
+PAUSED_INTERRUPT = 13  # records: inside the second piece
+
+
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory):
+  """The stream served in three pieces, whole and interrupted then resumed."""
+  whole = run(str(tmp_path_factory.mktemp("ckpt") / "run"), resume=False,
+              pauses=PAUSES)
+  directory = str(tmp_path_factory.mktemp("ckpt") / "run")
+  first = run(directory, resume=False, pauses=PAUSES, stop_after=PAUSED_INTERRUPT)
+  return dict(whole=whole, first=first,
+              after=run(directory, resume=True, pauses=PAUSES))
+
+
+def test_a_paused_stream_finishes_each_piece_before_the_next(paused):
+  records, pieces = paused["whole"]["records"], paused["whole"]["pieces"]
+  ends = (*PAUSES, len(QUERIES))
+  assert len(pieces) == len(ends)
+  for end, count in zip(ends, pieces):
+    assert sorted(r["request"] for r in records[:count]) == list(range(end))
+  # Pieces change which requests share a call, not what each request gets.
+  served = [r for r in records if "error" not in r]
+  assert [r["served"] for r in served] == list(range(1, len(served) + 1))
+  assert sum("loss" in r for r in served) >= 2
+
+
+def test_a_paused_stream_resumes_exactly(paused):
+  at = paused["first"]["saved"][-1]
+  assert PAUSES[0] < at < PAUSED_INTERRUPT  # mid-piece
+  assert paused["first"]["records"] == paused["whole"]["records"][:PAUSED_INTERRUPT]
+  assert paused["after"]["records"] == paused["whole"]["records"][at:]
+  assert tree_equal(paused["after"]["state"], paused["whole"]["state"])
+
+
+def test_a_paused_stream_stops_its_clock_while_paused(monkeypatch):
+  """Another pass's turn, here 1000 s on the host clock, is not serving time."""
+  lost = [0.0]
+  monkeypatch.setattr(driver, "_host_seconds", lambda: time.perf_counter() + lost[0])
+  target, draft = tiny_pair()
+  records = []
+  for _ in driver.serve_stream(target, draft, QUERIES[:10], DRAFTS, num_slots=SLOTS,
+                               mesh=online.make_mesh(DEVICES), seed=0, chat=False,
+                               categories=CATEGORIES, on_request=records.append,
+                               pauses=(3, 7)):
+    lost[0] += 1000.0
+  served = [r for r in records if "error" not in r]
+  assert len(served) == 9 and lost[0] == 3000.0
   assert max(r["finished_s"] for r in served) < 1000
   assert max(r["queue_s"] + r["ttft_s"] for r in served) < 1000

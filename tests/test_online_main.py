@@ -20,8 +20,10 @@ NUM_REQUESTS = 8
 @pytest.mark.real_model
 def test_main_job_writes_passes_summary_plots_and_checkpoints(tmp_path):
   out = tmp_path / "online"
-  cmd = [sys.executable, "-m", "experiments.online", "--stream=single",
-         "--domains=math", f"--num_requests={NUM_REQUESTS}", "--slots=2", "--warm_start=none",
+  # Two segments of 4: the passes take turns, a segment each.
+  cmd = [sys.executable, "-m", "experiments.online", "--stream=shift",
+         "--domains=math,code", f"--num_requests={NUM_REQUESTS}", "--slots=2",
+         "--warm_start=none",
          "--max_new_tokens=4", "--cache_size=128", "--steps_per_call=4",
          "--update_interval=4", "--buffer_capacity=4", "--checkpoint_every=4",
          "--window=4", f"--output_dir={out}"]
@@ -54,6 +56,8 @@ def test_main_job_writes_passes_summary_plots_and_checkpoints(tmp_path):
 
   summary = {s["run"]: s for s in json.loads((out / "summary.json").read_text())}
   assert set(summary) == set(RUNS)
+  for s in summary.values():
+    assert [seg["domain"] for seg in s["segments"]] == ["math", "code"]
   assert summary["static"]["updates"] == 0
   served_online = summary["online"]["requests"]
   assert 1 <= summary["online"]["updates"] <= served_online // 4

@@ -1,8 +1,9 @@
 """The run summaries: acceptance by draft position from per-request records."""
 
+import json
 import math
 
-from osd_jax.serving.report import acceptance_by_position, speed_summary
+from osd_jax.serving.report import acceptance_by_position, read_jsonl, speed_summary
 
 
 def record(served, reached, accepted, domain="math"):
@@ -24,3 +25,15 @@ def test_speed_summary_reports_the_last_window_by_position():
   records = [record(i, [2, 1], [1, 0]) for i in range(1, 4)] + [record(4, [2, 2], [2, 1])]
   last = speed_summary(records, tail=1)["last"]
   assert last["acceptance_by_position"] == [1.0, 0.5]
+
+
+def test_a_request_served_again_after_a_resume_counts_once(tmp_path):
+  """A resumed run appends the records of requests it serves again."""
+  path = tmp_path / "online.jsonl"
+  first = [record(1, [], []), record(2, [], []), dict(record(3, [], []), alpha=0.1)]
+  replayed = [dict(record(3, [], []), alpha=0.2), record(4, [], []),
+              {"request": 5, "error": "does not fit"}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in first + replayed))
+  records = read_jsonl(str(path))
+  assert [r["request"] for r in records] == [1, 2, 3, 4]
+  assert records[2]["alpha"] == 0.2

@@ -12,7 +12,7 @@ same calls as an uninterrupted one.
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,21 +146,34 @@ def warm_up(step: online.Step, target_params, state: online.OnlineState,
   bar.close()
 
 
-def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
-               cfg: online.OnlineConfig, *, num_slots: int,
-               mesh: jax.sharding.Mesh, seed: int = 0, chat: bool = True,
-               categories: Sequence[str] = ("default",),
-               checkpointer: Checkpointer | None = None,
-               checkpoint_every: int = 0,
-               on_request: Callable[[dict], None] = lambda record: None,
-               state: online.OnlineState | None = None,
-               compile_first: bool = False) -> online.OnlineState:
+def run_stream(*args, **kwargs) -> online.OnlineState:
+  """Serves a whole stream (serve_stream's arguments, no pauses); the final state."""
+  for state in serve_stream(*args, **kwargs):
+    pass
+  return state
+
+
+def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
+                 cfg: online.OnlineConfig, *, num_slots: int,
+                 mesh: jax.sharding.Mesh, seed: int = 0, chat: bool = True,
+                 categories: Sequence[str] = ("default",),
+                 checkpointer: Checkpointer | None = None,
+                 checkpoint_every: int = 0,
+                 on_request: Callable[[dict], None] = lambda record: None,
+                 state: online.OnlineState | None = None,
+                 compile_first: bool = False,
+                 pauses: Sequence[int] = ()) -> Iterator[online.OnlineState]:
   """Serves `queries` in order with continuous batching, learning online.
+
+  A generator: it pauses before each request index in `pauses` (every
+  request before it finished, none after it admitted) and at the end,
+  yielding the state each time (valid until it resumes, whose first call
+  donates it). While it is paused its serving clock stops, so several passes
+  over one stream can be served in turns, each timed alone.
 
   `on_request` receives one record per request as it finishes (served) or is
   refused (`error`). `compile_first` compiles every program the stream may
-  call before serving it, so its records time serving alone. Returns the
-  final state.
+  call before serving it, so its records time serving alone.
   """
   devices = mesh.size
   if num_slots % devices:
@@ -221,9 +234,10 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       ids_cache[index] = encode_prompts(target, [queries[index].prompt], chat)[0]
     return ids_cache[index]
 
-  def next_servable():
-    """The next request that fits a slot; refused ones get their error record."""
-    while host.next_request < len(queries):
+  def next_servable(until: int):
+    """The next request before `until` that fits a slot; refused ones get
+    their error record."""
+    while host.next_request < until:
       index = host.next_request
       host.next_request += 1
       ids = ids_of(index)
@@ -236,8 +250,9 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                             f" {cfg.cache_size}-position slot")})
     return None
 
-  def admit():
-    """Fills free slots, at most one per device per insert call."""
+  def admit(until: int):
+    """Fills free slots from requests before `until`, at most one per device
+    per insert call."""
     nonlocal state
     while True:
       picks = []  # (device, local slot, request)
@@ -245,7 +260,7 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
         free = [s for s in range(per_device)
                 if host.owner[device * per_device + s] < 0]
         if free:
-          index = next_servable()
+          index = next_servable(until)
           if index is None:
             break
           picks.append((device, free[0], index))
@@ -309,32 +324,38 @@ def run_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
     return records
 
   def save():
-    nonlocal saved_at
+    nonlocal saved_at, state
     if checkpointer is not None and saved_at != host.served:
       with clock.stopped():
         checkpointer.save(host.served, state, host.to_json())
+        state = online.place_state(state, mesh)
       saved_at = host.served
 
   last_saved = host.served
-  while host.next_request < len(queries) or any(o >= 0 for o in host.owner):
-    admit()
-    occupied = [s for s in range(num_slots) if host.owner[s] >= 0]
-    if not occupied:
-      break  # the rest of the stream was refused
-    lengths = distributed.gather(state.slots.lengths)
-    window = cfg.window(int(lengths[occupied].max()))
-    call_start = clock()
-    state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
-                            window=window,
-                            batch=slot_lib.occupied_batch(occupied, per_device),
-                            refill=host.next_request < len(queries))
-    out = distributed.gather(out)
-    for record in collect(out):
-      on_request(record)
-    host.calls += 1
-    if checkpoint_every and host.served - last_saved >= checkpoint_every:
-      save()
-      last_saved = host.served
-      state = online.place_state(state, mesh)
-  save()
-  return state
+  for until in sorted({min(max(p, 0), len(queries)) for p in pauses}
+                      | {len(queries)}):
+    # A request admitted before a pause is served before it (after a resume,
+    # the requests in flight may already belong to a later piece).
+    while (host.next_request < until
+           or any(0 <= o < until for o in host.owner)):
+      admit(until)
+      occupied = [s for s in range(num_slots) if host.owner[s] >= 0]
+      if not occupied:
+        break  # the rest of this piece was refused
+      lengths = distributed.gather(state.slots.lengths)
+      window = cfg.window(int(lengths[occupied].max()))
+      call_start = clock()
+      state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
+                              window=window,
+                              batch=slot_lib.occupied_batch(occupied, per_device),
+                              refill=host.next_request < until)
+      out = distributed.gather(out)
+      for record in collect(out):
+        on_request(record)
+      host.calls += 1
+      if checkpoint_every and host.served - last_saved >= checkpoint_every:
+        save()
+        last_saved = host.served
+    save()
+    with clock.stopped():
+      yield state

@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 
 import numpy as np
 
@@ -35,7 +34,7 @@ class Reporter:
       self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard", name))
     self.alphas, self.tokens, self.losses = [], 0, []
     self.errors = 0
-    self.start = time.perf_counter()
+    self.serving_s = 0.0  # the latest finish on the serving clock
     self.bar = progress.bar(total, f"[{name}]", "requests", delay=0.0)
 
   def __call__(self, record: dict) -> None:
@@ -54,9 +53,11 @@ class Reporter:
         self.writer.add_scalar(key, record[key], n)
       if record.get("loss") is not None:
         self.writer.add_scalar("loss", record["loss"], n)
-    seconds = time.perf_counter() - self.start
+    # On the stream's serving clock, which leaves out compiling, checkpoint
+    # saves and the turns of other passes served in between.
+    self.serving_s = record["finished_s"]
     status = dict(alpha=f"{np.mean(self.alphas[-self.window:]):.3f}",
-                  tok_s=f"{self.tokens / seconds:.1f}")
+                  tok_s=f"{self.tokens / max(self.serving_s, 1e-9):.1f}")
     if self.losses:
       status["loss"] = f"{self.losses[-1]:.3f}"
     self.bar.set_postfix(status, refresh=False)
@@ -69,10 +70,19 @@ class Reporter:
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """Served (not refused) records of a run, in the order they finished."""
+  """Served (not refused) records of a run, in the order they finished.
+
+  A run resumed from a checkpoint serves again the requests that finished
+  after it, and appends their records: each request counts once, by its
+  latest record.
+  """
+  latest = {}
   with open(path) as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  return sorted((r for r in records if not r.get("error")),
+    for line in f:
+      if line.strip():
+        record = json.loads(line)
+        latest[record["request"]] = record
+  return sorted((r for r in latest.values() if not r.get("error")),
                 key=lambda r: r["served"])
 
 
