@@ -54,10 +54,12 @@ class Reporter:
       if record.get("loss") is not None:
         self.writer.add_scalar("loss", record["loss"], n)
     # On the stream's serving clock, which leaves out compiling, checkpoint
-    # saves and the turns of other passes served in between.
-    self.serving_s = record["finished_s"]
-    status = dict(alpha=f"{np.mean(self.alphas[-self.window:]):.3f}",
-                  tok_s=f"{self.tokens / max(self.serving_s, 1e-9):.1f}")
+    # saves and the turns of other passes served in between (records
+    # stripped of their timings leave it where it was).
+    self.serving_s = record.get("finished_s", self.serving_s)
+    status = dict(alpha=f"{np.mean(self.alphas[-self.window:]):.3f}")
+    if self.serving_s > 0:
+      status["tok_s"] = f"{self.tokens / self.serving_s:.1f}"
     if self.losses:
       status["loss"] = f"{self.losses[-1]:.3f}"
     self.bar.set_postfix(status, refresh=False)
