@@ -10,7 +10,7 @@ import time
 from absl import flags
 import jax
 
-from experiments import cli, model_flags
+from experiments import cli, model_flags, verify_flags
 from osd_jax.decoding.engine import Engine, acceptance_by_position, summarize
 from osd_jax.decoding.sampling import Sampling
 
@@ -34,7 +34,8 @@ def main(argv):
   draft = model_flags.load_draft(target) if K.value else None
   engine = Engine(target, draft, k=K.value,
                   sampling=Sampling(TEMPERATURE.value, TOP_K.value, TOP_P.value),
-                  max_new_tokens=MAX_NEW_TOKENS.value)
+                  max_new_tokens=MAX_NEW_TOKENS.value,
+                  trim_verify=verify_flags.TRIM_VERIFY.value)
   start = time.perf_counter()
   completions = engine.generate(PROMPTS.value, chat=CHAT.value, seed=SEED.value)
   seconds = time.perf_counter() - start

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from absl import app, flags
 
 from experiments import (cli, learning_flags, model_flags, multihost_flags, plots,
-                         step_flags)
+                         step_flags, verify_flags)
 from osd_jax.data import streams
 from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.decoding.sampling import Sampling
@@ -92,6 +92,7 @@ def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
       steps_per_call=STEPS_PER_CALL.value, learn=learn,
       sample_source=SAMPLE_SOURCE.value, source_mix=SOURCE_MIX.value,
       num_drafts=num_drafts, batch_k=step_flags.batch_k(),
+      trim_verify=verify_flags.TRIM_VERIFY.value,
       **learning_flags.online_fields(
           schedule=SCHEDULE.value, schedule_steps=max(
               NUM_REQUESTS.value // learning_flags.UPDATE_INTERVAL.value, 1)))

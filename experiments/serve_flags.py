@@ -2,7 +2,7 @@
 
 from absl import flags
 
-from experiments import learning_flags, step_flags
+from experiments import learning_flags, step_flags, verify_flags
 from osd_jax.serving import online
 from osd_jax.serving.live import LiveConfig
 
@@ -60,6 +60,7 @@ def online_config() -> online.OnlineConfig:
       k=K.value, sampling=None, max_new_tokens=MAX_TOKENS.value,
       cache_size=CACHE_SIZE.value, steps_per_call=STEPS_PER_CALL.value,
       learn=LEARN.value, batch_k=step_flags.batch_k(),
+      trim_verify=verify_flags.TRIM_VERIFY.value,
       **learning_flags.online_fields())
 
 

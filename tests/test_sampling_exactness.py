@@ -99,13 +99,14 @@ def cells(tokens_Nx2, lengths_N):
   return np.where(first_is_eos, V * V, tokens_Nx2[:, 0] * V + tokens_Nx2[:, 1])
 
 
-def sample(target, drafter, draft_params, k, sampling, seed=0):
+def sample(target, drafter, draft_params, k, sampling, seed=0, trim_verify=False):
   """N runs of 2 new tokens, traced afresh (see the wrong rules): (cells, metrics)."""
   def run(target_params, draft_params, prompts, lens, rng):
     return speculative.generate.__wrapped__(
         target_params, draft_params, prompts, lens, rng,
         target_config=target.config, drafter=drafter, k=k, sampling=sampling,
-        max_new_tokens=2, cache_size=len(PROMPT) + 2 + k + 1)
+        max_new_tokens=2, cache_size=len(PROMPT) + 2 + k + 1,
+        trim_verify=trim_verify)
 
   prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (N, 1))
   state = jax.jit(run)(target.params, draft_params, prompts,
@@ -219,13 +220,16 @@ def test_ngram_draft_stays_exact(target):
   assert empirical_tv(samples, p) < tv_bound(p)
 
 
-def test_confident_draft_stays_exact(target, draft):
+@pytest.mark.parametrize("trim_verify", [False, True])
+def test_confident_draft_stays_exact(target, draft, trim_verify):
   """Proposals that stop after an unlikely draw: their length is the draft's
-  own doing, so the rule stays exact."""
+  own doing, so the rule stays exact, and so does verifying only as many
+  positions as were proposed."""
   sampling, k = SETTINGS[0]
   p = exact_distribution(target, sampling)
   confident = ModelDraft(draft.config, confidence_threshold=0.3)
-  samples, metrics = sample(target, confident, draft.params, k, sampling)
+  samples, metrics = sample(target, confident, draft.params, k, sampling,
+                            trim_verify=trim_verify)
   # Both whole and cut-short proposals occurred.
   assert metrics.target_calls < metrics.proposed < k * metrics.target_calls
   assert empirical_tv(samples, p) < tv_bound(p)

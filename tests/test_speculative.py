@@ -60,9 +60,11 @@ def prompts():
   return base[:-1] + [base[-1] + continued.token_ids + base[-1]]
 
 
-def run(target, draft, prompts, k, sampling=Sampling()):
-  """Engine results, one per prompt."""
-  engine = Engine(target, draft, k=k, sampling=sampling, max_new_tokens=MAX_NEW)
+def run(target, draft, prompts, k, sampling=Sampling(), trim_verify=False):
+  """Engine results, one per prompt (2 slots when trimming: calls over 4 or
+  more slots verify at full width)."""
+  engine = Engine(target, draft, k=k, sampling=sampling, max_new_tokens=MAX_NEW,
+                  trim_verify=trim_verify, num_slots=2 if trim_verify else 8)
   return engine.generate_ids(prompts)
 
 
@@ -106,13 +108,16 @@ def confident(draft, threshold=CONFIDENCE):
                draft.params, f"{draft.source}, confidence {threshold}")
 
 
-@pytest.mark.parametrize("draft_name, k", [
-    ("derived", 1), ("derived", 3), ("derived", 5), ("independent", 3),
-    ("restricted", 2), ("ngram", 1), ("ngram", 4), ("hybrid", 2), ("hybrid", 4),
-    ("confident", 4), ("hybrid_confident", 4)])
+@pytest.mark.parametrize("draft_name, k, trim_verify", [
+    ("derived", 1, False), ("derived", 3, False), ("derived", 5, False),
+    ("independent", 3, False), ("restricted", 2, False), ("ngram", 1, False),
+    ("ngram", 4, False), ("hybrid", 2, False), ("hybrid", 4, False),
+    ("confident", 4, False), ("hybrid_confident", 4, False),
+    ("confident", 4, True), ("hybrid_confident", 4, True), ("derived", 3, True)])
 def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
-                                                 draft_name, k):
-  results = run(target, drafts(target)[draft_name], prompts, k)
+                                                 draft_name, k, trim_verify):
+  results = run(target, drafts(target)[draft_name], prompts, k,
+                trim_verify=trim_verify)
   assert [r.token_ids for r in results] == target_greedy
   proposed, accepted = total(results, "proposed"), total(results, "accepted")
   if draft_name in ("derived", "ngram", "hybrid"):  # accept and reject paths ran
@@ -430,6 +435,29 @@ def test_metrics_are_consistent(trajectory):
       m.reached_by_position[:, 0], sum_of(lambda r: r.active & (r.num_proposed > 0)))
   np.testing.assert_array_equal(m.accepted_by_position.sum(1), m.accepted)
   assert 0 < m.accepted.sum() < m.proposed.sum()
+
+
+@pytest.mark.parametrize("needed", [1, 2, 4])
+def test_a_trimmed_verification_scores_only_what_was_proposed(target, needed):
+  """Below the full width, the pass runs on the first `needed` positions: they
+  match the full pass, the rest is zero padding, and the cache holds the
+  same committed entries."""
+  config = target.config
+  params = llama.for_decoding(target.params, config)
+  tokens = jnp.asarray([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], jnp.int32)
+  cache = config.init_cache(2, CACHE).with_lengths(jnp.asarray([0, 0], jnp.int32))
+  cache = llama.forward(params, config, jnp.asarray([[1, 2, 3], [2, 3, 4]]), cache)[1]
+  score = jax.jit(speculative._verify_pass, static_argnums=(1, 5))  # pylint: disable=protected-access
+  full_h, full_logits, full_cache = score(params, config, tokens, cache, None, (5,), 5)
+  h, logits, new_cache = score(params, config, tokens, cache, None,
+                               speculative.verify_widths(4), needed)
+  np.testing.assert_allclose(h[:, :needed], full_h[:, :needed], atol=1e-5)
+  np.testing.assert_allclose(logits[:, :needed], full_logits[:, :needed], atol=1e-4)
+  assert not np.any(np.asarray(h[:, needed:])) and np.any(np.asarray(full_h[:, needed:]))
+  for row in range(2):
+    for ours, theirs in zip(new_cache.valid_entries(row, 3 + needed),
+                            full_cache.valid_entries(row, 3 + needed)):
+      np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
 # --- the real model -----------------------------------------------------------

@@ -79,7 +79,8 @@ class Engine:
   def __init__(self, target: LoadedModel, draft: LoadedModel | Draft | None = None,
                *, k: int = 0, sampling: Sampling = Sampling(),
                max_new_tokens: int = 64, num_slots: int = 8,
-               steps_per_call: int = 8, cache_size: int | None = None):
+               steps_per_call: int = 8, cache_size: int | None = None,
+               trim_verify: bool = False):
     if k < 0:
       raise ValueError(f"k must be >= 0 (0 = target only), got {k}.")
     if k and draft is None:
@@ -94,6 +95,7 @@ class Engine:
     self.sampling, self.max_new_tokens = sampling, max_new_tokens
     self.num_slots, self.steps_per_call = num_slots, steps_per_call
     self.cache_size = cache_size
+    self.trim_verify = trim_verify  # see slots.SlotConfig
     self._prepared = None  # the models' decoding layout, made on first use
     # Metrics of every request of the last generate call, summed on the host.
     self.totals: speculative.Metrics | None = None
@@ -124,7 +126,8 @@ class Engine:
 
   def slot_config(self, cache_size: int) -> slots.SlotConfig:
     return slots.SlotConfig(self.target.config, self.draft.drafter, self.k,
-                            self.sampling, self.num_slots, cache_size)
+                            self.sampling, self.num_slots, cache_size,
+                            self.trim_verify)
 
   def _params(self):
     if self._prepared is None:

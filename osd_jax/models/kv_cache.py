@@ -76,6 +76,17 @@ class KVCache:
         v=tuple(put(big, small, VALUE_POSITION_AXIS) for big, small in zip(self.v, one.v)),
         lengths=self.lengths.at[row].set(one.lengths[0]))
 
+  def append(self, new: "NewEntries", starts_B: jax.Array | None) -> "KVCache":
+    """Every layer with row b's T new keys/values written from starts[b]
+    (None: from 0, a prefill), and lengths advanced by T from there."""
+    t = new.k[0].shape[1]
+    lengths = (jnp.zeros_like(self.lengths) if starts_B is None else starts_B) + t
+    return KVCache(
+        k=tuple(write(store, k, starts_B, KEY_POSITION_AXIS)
+                for store, k in zip(self.k, new.k)),
+        v=tuple(write(store, v, starts_B) for store, v in zip(self.v, new.v)),
+        lengths=lengths)
+
   def first_rows(self, n: int) -> "KVCache":
     """Rows 0..n-1 (static n): what a call over the first n slots computes on."""
     rows = n * self.num_kv_heads
@@ -87,6 +98,20 @@ class KVCache:
     put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0, 0, 0))
     return KVCache(k=tuple(map(put, self.k, part.k)), v=tuple(map(put, self.v, part.v)),
                    lengths=self.lengths.at[:part.batch_size].set(part.lengths))
+
+
+@flax.struct.dataclass
+class NewEntries:
+  """Keys and values of T new tokens per layer, [B, T, kv_heads, head_dim],
+  computed by a pass that read the cache but has not written them yet."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
+  def padded_to(self, t: int) -> "NewEntries":
+    """Zero keys/values after the real ones, up to T = t (static)."""
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)))
+    return NewEntries(tuple(map(pad, self.k)), tuple(map(pad, self.v)))
 
 
 # Where positions run in each layer's arrays.

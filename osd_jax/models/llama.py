@@ -144,6 +144,41 @@ def decoder_layer(config: LlamaConfig, x, layer, positions_BxT, store, starts_B,
   return block_output(config, layer, x, attn), store
 
 
+def attend_cached(q_BxTxHxD: jax.Array, k_BxTxHxD: jax.Array, v_BxTxHxD: jax.Array,
+                  keys_NxDxS: jax.Array, values_NxSxD: jax.Array, lengths_B: jax.Array,
+                  num_kv_heads: int) -> jax.Array:
+  """T new tokens attending to their row's cache, then causally to themselves.
+
+  The cache arrays (one layer's, cut to the attention window) are only read:
+  row b sees its positions < lengths[b]. The new tokens' own keys and values
+  enter as a second block, so they need not be in the cache yet (see
+  `score`). The two blocks share one softmax, taken without concatenating
+  them.
+  """
+  b, t, h, d = q_BxTxHxD.shape
+  groups = h // num_kv_heads
+  q = q_BxTxHxD.reshape(b, t, num_kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
+  q = q.reshape(b * num_kv_heads, t * groups, d) * jnp.asarray(d ** -0.5, q.dtype)
+  as_scores = lambda x: x.astype(jnp.float32).reshape(b, num_kv_heads, t, groups, -1)
+  cached = as_scores(jnp.einsum("nqd,nds->nqs", q, keys_NxDxS.astype(q.dtype)))
+  is_committed_BxS = jnp.arange(keys_NxDxS.shape[2]) < lengths_B[:, None]
+  cached = jnp.where(is_committed_BxS[:, None, None, None, :], cached, -jnp.inf)
+  fresh = as_scores(jnp.einsum("nqd,ntd->nqt", q, flat_heads(k_BxTxHxD).astype(q.dtype)))
+  is_causal_TxT = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+  fresh = jnp.where(is_causal_TxT[None, None, :, None, :], fresh, -jnp.inf)
+  # Each query sees itself, so the shared max is finite.
+  top = jnp.maximum(cached.max(-1, keepdims=True), fresh.max(-1, keepdims=True))
+  cached, fresh = jnp.exp(cached - top), jnp.exp(fresh - top)
+  total = cached.sum(-1, keepdims=True) + fresh.sum(-1, keepdims=True)
+  as_rows = lambda x: (x / total).astype(values_NxSxD.dtype).reshape(
+      b * num_kv_heads, t * groups, -1)
+  out = (jnp.einsum("nqs,nsd->nqd", as_rows(cached), values_NxSxD)
+         + jnp.einsum("nqt,ntd->nqd", as_rows(fresh),
+                      flat_heads(v_BxTxHxD).astype(values_NxSxD.dtype)))
+  out = out.reshape(b, num_kv_heads, t, groups, d).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, t, h * d)
+
+
 def _layer_list(layers) -> list:
   """One dict per layer, from either layout (static slices of stacked weights)."""
   if isinstance(layers, (list, tuple)):
@@ -191,6 +226,33 @@ def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
     new_v.append(v)
   cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + t)
   return rms_norm(x, params["final_norm"], config.rms_eps), cache
+
+
+def score(params: Params, config: LlamaConfig, tokens_BxT: jax.Array, cache: KVCache,
+          *, window: int | None = None) -> tuple[jax.Array, kv_cache.NewEntries]:
+  """`forward` over a cache that it reads but does not write: the hidden
+  states [B, T, D] and the new tokens' keys/values, for `KVCache.append`.
+
+  A caller choosing among passes of several widths (speculative._verify_pass)
+  writes once, after the choice: were the cache written inside each branch,
+  XLA would copy all of it into and out of the branch. Elsewhere `forward`
+  is faster: writing first, then attending over the window, lets XLA update
+  the cache in place with no copy.
+  """
+  t = tokens_BxT.shape[1]
+  x = params["embed"][tokens_BxT].astype(config.jnp_dtype)
+  positions_BxT = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  window = window or cache.size
+  new_k, new_v = [], []
+  for i, layer in enumerate(_layer_list(params["layers"])):
+    q, k, v = project_qkv(config, layer, x, positions_BxT)
+    attn = attend_cached(q, k, v, cache.k[i][:, :, :window], cache.v[i][:, :window],
+                         cache.lengths, config.num_kv_heads)
+    x = block_output(config, layer, x, attn)
+    new_k.append(k)
+    new_v.append(v)
+  hidden = rms_norm(x, params["final_norm"], config.rms_eps)
+  return hidden, kv_cache.NewEntries(tuple(new_k), tuple(new_v))
 
 
 def unstack_layers(params: Params) -> Params:

@@ -61,6 +61,7 @@ class OnlineConfig:
   # speculative_disable_by_batch_size is the k_b = 0 case, not offered here:
   # a draft that skips a step falls out of step with its cache.
   batch_k: tuple[tuple[int, int], ...] = ()
+  trim_verify: bool = False  # see slots.SlotConfig
   distill: update.DistillConfig = update.DistillConfig()
 
   def __post_init__(self):
@@ -105,7 +106,7 @@ class OnlineConfig:
 
   def slots(self, target_config: LlamaConfig, drafter, num_slots: int):
     return slot_lib.SlotConfig(target_config, drafter, self.k, self.sampling,
-                               num_slots, self.cache_size)
+                               num_slots, self.cache_size, self.trim_verify)
 
 
 @flax.struct.dataclass
@@ -304,7 +305,8 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
   def step(slots, records):
     slots, result = speculative.speculate_and_verify(
         target_params, draft_params, slots, target_config=target_config,
-        drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window)
+        drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window,
+        trim_verify=slot_lib.trims(cfg.trim_verify, batch))
     if cfg.learn:
       records = records.record(result, corrected_only=corrected_only)
     return slots, records
