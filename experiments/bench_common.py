@@ -63,6 +63,34 @@ def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 
   decode step of the slot engine does; the length never grows, so the same
   program runs `steps` times per call (the time returned is per step).
   """
+  from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
+
+  def forward(params, tokens, cache):
+    logits, new = llama.apply(params, config, tokens, cache, window=window)
+    return logits, new
+
+  return _step_timer(forward, params, config, batch, num_tokens, filled, window, steps)
+
+
+def verify_timer(params, config, batch: int, k: int, needed: int, *,
+                 filled: int = 100, window: int = 256, steps: int = 8):
+  """Like forward_timer, for the trimmed verification pass of a step whose
+  longest proposal needs `needed` of the k + 1 positions."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from osd_jax.decoding import speculative  # pylint: disable=import-outside-toplevel
+
+  def verify(params, tokens, cache):
+    _, logits, new = speculative.verify_pass(
+        params, config, tokens, cache, window, speculative.verify_widths(k),
+        jnp.int32(needed))
+    return logits, new
+
+  return _step_timer(verify, params, config, batch, k + 1, filled, window, steps)
+
+
+def _step_timer(step, params, config, batch, num_tokens, filled, window, steps):
+  """The timed callable of forward_timer, for `step(params, tokens, cache)`
+  -> (logits, cache)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
   params = llama.for_decoding(params, config)
@@ -70,7 +98,7 @@ def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 
   def run(params, cache):
     def body(_, cache):
       tokens = jnp.ones((batch, num_tokens), jnp.int32)
-      logits, new = llama.apply(params, config, tokens, cache, window=window)
+      logits, new = step(params, tokens, cache)
       # Keep the logits live; keep the length fixed so the cache never fills.
       return new.with_lengths(cache.lengths + (logits[:, 0, 0] > 1e30))
     return jax.lax.fori_loop(0, steps, body, cache)

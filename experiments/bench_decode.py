@@ -9,6 +9,8 @@ All in one run:
 - one cached target forward at batch 1 on 1..9 new tokens (v(k) = cost on
   k+1 tokens / on 1: what verification costs), and at batch 8 on 1 token
   per row against batch 1;
+- the trimmed verification pass of k = 4 (--trim_verify) when the step's
+  longest proposal needs 1..5 positions, against the plain forward on 5;
 - end-to-end greedy tokens/s of the slot engine (k = 0) and of transformers'
   `generate` on the same weights, at each batch size.
 Goals: batch-1 step >= 0.85 of the bandwidth limit; v(4) <= 1.3; batch 8 <=
@@ -27,6 +29,7 @@ BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per row.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per measurement.")
 THREADS = flags.DEFINE_integer("torch_threads", 0, "torch threads; 0 = default.")
+TRIM_K = 4  # the k whose trimmed verification pass is timed
 
 
 def step_costs(target) -> dict:
@@ -36,12 +39,15 @@ def step_costs(target) -> dict:
   gb_s = bench_common.bandwidth_gb_s(weights, repeats=REPEATS.value)
   timers = {(b, t): bench_common.forward_timer(params, config, b, t)
             for b, t in [(1, t) for t in range(1, 10)] + [(8, 1)]}
+  timers.update({("trimmed", w): bench_common.verify_timer(params, config, 1, TRIM_K, w)
+                 for w in range(1, TRIM_K + 2)})
   ms = {case: 1e3 * s for case, s in
         bench_common.interleaved_seconds(timers, REPEATS.value).items()}
   return {"weight_mb": weights / 1e6, "bandwidth_gb_s": gb_s,
           "limit_ms": weights / gb_s / 1e6,
           "batch1_ms": {t: ms[(1, t)] for t in range(1, 10)},
-          "batch8_ms": ms[(8, 1)]}
+          "batch8_ms": ms[(8, 1)],
+          "trimmed_ms": {w: ms[("trimmed", w)] for w in range(1, TRIM_K + 2)}}
 
 
 def engine_tps(target, prompt_ids, max_new_tokens) -> tuple[float, float, list]:
@@ -74,7 +80,11 @@ def main(argv):
         + ", ".join(f"{t}: {v:.1f} ms (v {v / one[1]:.2f})" for t, v in one.items()))
   print(f"v(k=4) = {one[5] / one[1]:.2f} (goal <= 1.3); batch 8, 1 token per row:"
         f" {costs['batch8_ms']:.1f} ms = {costs['batch8_ms'] / one[1]:.2f}x batch 1"
-        " (goal <= 1.5)", flush=True)
+        " (goal <= 1.5)")
+  print(f"trimmed verification, k={TRIM_K}, batch 1, positions the longest proposal"
+        " needs: " + ", ".join(
+            f"{w}: {v:.1f} ms ({v / one[w]:.2f}x the forward on {w}, {v / one[1]:.2f}x on 1)"
+            for w, v in costs["trimmed_ms"].items()), flush=True)
   # No EOS stop, so every row decodes exactly max_new_tokens, as torch does.
   target.config = target.config.replace(eos_id=-1)
   torch_model = None

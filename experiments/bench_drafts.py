@@ -3,11 +3,13 @@
   python -m experiments.bench_drafts
   python -m experiments.bench_drafts --kinds=ngram,derived+ngram --per_domain=8
 
-One run serves the stream target-only, then once per draft kind (learning
-online where the kind has parameters), and prints, per segment and overall,
-alpha, tokens per target call, tokens/s and the speed-up over target-only.
-A kind is derived, eagle or ngram; "+ngram" makes it a hybrid. Every
-program is compiled before its stream is timed.
+One run serves the stream target-only and once per draft kind (learning
+online where the kind has parameters), the passes taking turns every --turn
+requests so that a drift in the machine's speed slows all alike, and prints,
+per segment and overall, alpha, tokens per target call, tokens/s and the
+speed-up over target-only. A kind is derived, eagle or ngram; "+ngram" makes
+it a hybrid. The draft flags (--ngram_min, --draft_confidence_threshold, ...)
+apply to every kind. Every program is compiled before its stream is timed.
 """
 
 import dataclasses
@@ -38,6 +40,10 @@ UPDATE_INTERVAL = flags.DEFINE_integer("update_interval", 8, "Requests per updat
 UPDATE_STEPS = flags.DEFINE_integer("update_steps", 1, "Optimizer steps per update.")
 LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Draft learning rate.")
 TAIL = flags.DEFINE_integer("tail", 8, "Requests in each segment's last window.")
+TURN = flags.DEFINE_integer(
+    "turn", None, "Requests each pass serves before the next takes its turn;"
+    " 0 serves each pass whole. A turn's end drains the slots, so with several"
+    " slots keep it long. Default: 2 with one slot, a segment otherwise.")
 OUTPUT = flags.DEFINE_string("output", "", "Also write the results here (JSON).")
 
 
@@ -66,14 +72,21 @@ def main(argv):
   for kind in KINDS.value:
     draft = draft_of(kind, target)
     runs[kind] = (draft, dataclasses.replace(cfg, learn=draft.params != ()))
-  results = {}
+  records = {name: [] for name in runs}
+  turn = TURN.value if TURN.value is not None else (
+      2 if SLOTS.value == 1 else PER_DOMAIN.value)
+  if turn < 0:
+    raise ValueError(f"--turn must be >= 0, got {turn}.")
+  pauses = range(turn, len(queries), turn) if turn else ()
+  serving = {}
   for name, (draft, run_cfg) in runs.items():
     print(f"serving: {name} ({draft.source})", flush=True)
-    records = []
-    driver.run_stream(target, draft, queries, run_cfg, num_slots=SLOTS.value,
-                      mesh=mesh, on_request=records.append, compile_first=True)
-    results[name] = speed_summary([r for r in records if not r.get("error")],
-                                  tail=TAIL.value)
+    serving[name] = driver.serve_stream(
+        target, draft, queries, run_cfg, num_slots=SLOTS.value, mesh=mesh,
+        on_request=records[name].append, compile_first=True, pauses=pauses)
+  driver.serve_in_turns(serving, interleave=bool(turn))
+  results = {name: speed_summary([r for r in rs if not r.get("error")], tail=TAIL.value)
+             for name, rs in records.items()}
   base = results["target"]
   print(f"\n{'draft':16s} {'segment':8s} {'alpha':>6s} {'tok/call':>8s} {'tok/s':>7s}"
         f" {'speed-up':>8s}")

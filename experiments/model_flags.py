@@ -41,8 +41,22 @@ DRAFT_CONFIDENCE = flags.DEFINE_float(
     " always drafts k tokens.")
 EAGLE_ROLLOUT = flags.DEFINE_integer(
     "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.")
-NGRAM_MAX = flags.DEFINE_integer("ngram_max", 3, "Longest suffix n-gram looked up.")
-NGRAM_MIN = flags.DEFINE_integer("ngram_min", 1, "Shortest suffix n-gram looked up.")
+DRAFT_STOP_BEFORE = flags.DEFINE_bool(
+    "draft_stop_before_unconfident", False,
+    "With --draft_confidence_threshold, leave out the draw that fell below it"
+    " too, so a step may propose nothing. Only in calls whose verification is"
+    " trimmed (--trim_verify, fewer than 4 slots): at full width the draw"
+    " costs no target time.")
+NGRAM_MAX = flags.DEFINE_integer("ngram_max", 4, "Longest suffix n-gram looked up.")
+NGRAM_MIN = flags.DEFINE_integer(
+    "ngram_min", 2, "Shortest suffix n-gram looked up (a 1-gram match copies"
+    " tokens the target mostly rejects: 0.4-0.5 accepted of 4 on the shift"
+    " stream).")
+NGRAM_CAP = flags.DEFINE_bool(
+    "ngram_cap_at_match", True,
+    "After an n-gram match propose at most n tokens, not k. Only in calls whose"
+    " verification is trimmed (--trim_verify, fewer than 4 slots): at full"
+    " width the rest of the copy costs no target time.")
 DRAFT_LAYERS = flags.DEFINE_list(
     "draft_layers", ["0", "1"], "Target layers the derived draft keeps.")
 DRAFT_HEAD_VOCAB = flags.DEFINE_integer(
@@ -57,13 +71,14 @@ DTYPE = flags.DEFINE_enum(
 def serve_with_the_best_draft() -> None:
   """Defaults of an entry point that serves traffic: the draft bench_drafts
   picked (README, "Every draft kind"). The derived draft, warm-started on chat
-  text, behind n-gram lookup wherever the context has a match; it stops a
-  step's proposal after a draw it gave less than 0.7, since it rarely gives
-  more, so where lookup finds nothing it mostly drafts one token (1-11 % more
-  tokens/s than always drafting k). Call at import time, before flags parse."""
+  text, behind n-gram lookup wherever the context has a match; it proposes
+  only draws it gave at least 0.7, so where lookup finds nothing a step often
+  proposes nothing and verification (trimmed) costs one target step. Call at
+  import time, before flags parse."""
   flags.set_default(HYBRID, True)
   flags.set_default(WARM_START, "chat")
   flags.set_default(DRAFT_CONFIDENCE, 0.7)
+  flags.set_default(DRAFT_STOP_BEFORE, True)
 
 
 def warn_if_slow_dtype() -> None:
@@ -101,11 +116,12 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   kind = kind or DRAFT.value
   hybrid = HYBRID.value if hybrid is None else hybrid
   lookup = drafts.NGramDraft(target.config.vocab_size, NGRAM_MAX.value,
-                             NGRAM_MIN.value)
+                             NGRAM_MIN.value, NGRAM_CAP.value)
   if kind == "ngram":
     if hybrid:
       raise ValueError("--hybrid needs a learned draft, not --draft=ngram.")
-    return drafts.Draft(lookup, (), f"ngram {NGRAM_MIN.value}..{NGRAM_MAX.value}")
+    return drafts.Draft(lookup, (), f"ngram {NGRAM_MIN.value}..{NGRAM_MAX.value}"
+                        + (", capped at the match" if NGRAM_CAP.value else ""))
   if kind == "eagle":
     head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
             if DRAFT_HEAD_VOCAB.value else None)
@@ -124,7 +140,11 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
                        " (derived or a checkpoint), not --draft=eagle.")
     # After the warm start: serving-only, so it does not key the cache.
     draft = dataclasses.replace(draft, drafter=dataclasses.replace(
-        draft.drafter, confidence_threshold=DRAFT_CONFIDENCE.value))
+        draft.drafter, confidence_threshold=DRAFT_CONFIDENCE.value,
+        stop_before_unconfident=DRAFT_STOP_BEFORE.value))
+  elif DRAFT_STOP_BEFORE.value:
+    raise ValueError("--draft_stop_before_unconfident needs"
+                     " --draft_confidence_threshold above 0.")
   if hybrid:
     return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
                         f"{draft.source} + ngram")

@@ -15,7 +15,6 @@ plots alpha and tokens/s.
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator
 
 from absl import app, flags
 
@@ -105,19 +104,6 @@ def turn_ends(queries: list[driver.Query], min_requests: int) -> list[int]:
     if queries[i].domain != queries[i - 1].domain and i - ends[-1] >= min_requests:
       ends.append(i)
   return ends[1:]
-
-
-def serve_in_turns(runs: dict[str, Iterator], interleave: bool,
-                   on_done: Callable[[str], None]) -> None:
-  """Interleaved, the passes go round in turns, each up to its next pause;
-  otherwise each runs to its end before the next starts."""
-  groups = [list(runs)] if interleave else [[name] for name in runs]
-  for group in groups:
-    while group:
-      for name in list(group):
-        if next(runs[name], None) is None:
-          group.remove(name)
-          on_done(name)
 
 
 def summarize(name: str, path: str, tail: int) -> dict:
@@ -219,8 +205,8 @@ def main(argv):
         checkpointer=ckpt, checkpoint_every=CHECKPOINT_EVERY.value,
         on_request=reporters[name] or (lambda record: None), compile_first=True,
         pauses=pauses)
-  serve_in_turns(serving, INTERLEAVE.value,
-                 lambda name: _finish(name, reporters[name], passes[name][2]))
+  driver.serve_in_turns(serving, INTERLEAVE.value,
+                        lambda name: _finish(name, reporters[name], passes[name][2]))
   if checkpointer is not None:
     checkpointer.close()
   if not primary:

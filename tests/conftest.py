@@ -4,6 +4,15 @@ import os
 
 # Eight fake CPU devices for the multi-device tests; must precede backend start.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the suite's processes (both test
+# workers and the entry points they start): each module drops its compiled
+# programs (below), and many modules and processes build the same ones, which
+# then load from disk instead of compiling again. tests/compiles.py counts
+# such loads as compiles. Set before jax reads its configuration.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+    "test_programs"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()

@@ -18,6 +18,7 @@ from osd_jax.decoding.engine import Engine
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import config as configs
 from osd_jax.models import llama
+from tests import compiles
 from tests.tiny_models import word_tokenizer, random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -322,15 +323,13 @@ def test_a_call_over_the_first_slots_equals_one_over_all_and_leaves_the_rest(mod
 
 
 class CompileCounter:
-  """Backend compiles, from jax.monitoring events."""
+  """Programs compiled (or loaded from the persistent cache)."""
 
   def __init__(self):
     self.compiles = 0
 
-  def on_event(self, event, duration, **kwargs):
-    del duration, kwargs
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.compiles += 1
+  def count(self):
+    self.compiles += 1
 
 
 def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
@@ -353,15 +352,12 @@ def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
   stream = prompts_of_lengths(rng.integers(1, 100, 24), seed=3)
   engine = Engine(model, draft_lib.derive(model, [0]), k=2, max_new_tokens=8,
                   num_slots=3, steps_per_call=3, cache_size=256)
-  jax.monitoring.register_event_duration_secs_listener(counter.on_event)
-  try:
+  with compiles.counting(counter.count):
     results = engine.generate_ids(stream)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(counter.on_event)
   assert all(1 <= len(r.token_ids) <= 8 for r in results)
   seen = set()
-  for key, compiles in calls:
-    assert compiles <= (key not in seen), (key, compiles)
+  for key, built in calls:
+    assert built <= (key not in seen), (key, built)
     seen.add(key)
   assert {w for (name, w) in seen if name == "insert"} == {64, 128}
   assert len({w for (name, w) in seen if name == "generate"}) >= 2

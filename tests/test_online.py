@@ -6,6 +6,7 @@ the compiled step saw: each request's tokens, the draft after every update,
 traces and compiles. Helpers for the other test_online* files live here too.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -24,6 +25,7 @@ from osd_jax.distillation.update import DistillConfig
 from osd_jax.models import config as configs
 from osd_jax.models import llama
 from osd_jax.serving import distributed, driver, online
+from tests import compiles
 from tests.tiny_models import random_params, word_tokenizer
 
 VOCAB = 32
@@ -105,7 +107,8 @@ def max_abs_diff(a, b) -> float:
 
 
 class Counter:
-  """Traces of the step's programs, and backend compiles while `active`."""
+  """Traces of the step's programs, and programs compiled (or loaded from
+  the persistent cache) while `active`."""
 
   def __init__(self):
     self.traces = 0
@@ -119,10 +122,8 @@ class Counter:
       return fn(*args, **kwargs)
     return counted
 
-  def on_event(self, event, duration, **kwargs):
-    del duration, kwargs
-    if self.active and event == "/jax/core/compile/backend_compile_duration":
-      self.compiles += 1
+  def count(self):
+    self.compiles += self.active
 
 
 _SNAPSHOT = ("draft_params", "opt_state", "buffer", "since_update", "num_updates",
@@ -197,22 +198,18 @@ def serve_stream(queries, cfg: online.OnlineConfig, *, devices: int, num_slots: 
   statics = dict(target_config=target.config, drafter=draft.drafter, cfg=cfg)
   servable = [i for i, q in enumerate(queries) if cfg.fits(len(prompt_ids(q)))]
   records = []
-  with pytest.MonkeyPatch.context() as mp:
+  with pytest.MonkeyPatch.context() as mp, contextlib.ExitStack() as stack:
     if counter is not None:
       mp.setattr(online, "insert", counter.wrap(online.insert))
       mp.setattr(online, "serve_and_learn", counter.wrap(online.serve_and_learn))
-      jax.monitoring.register_event_duration_secs_listener(counter.on_event)
-    try:
-      step = (online.Step(mesh, **statics) if fresh
-              else online.make_step(mesh, **statics))
-      tap = Tap(step, servable, counter=counter, every_call=every_call)
-      mp.setattr(online, "make_step", lambda *args, **kw: tap)
-      state = driver.run_stream(target, draft, queries, cfg, num_slots=num_slots,
-                                mesh=mesh, seed=0, chat=False,
-                                on_request=records.append, **kwargs)
-    finally:
-      if counter is not None:
-        jax.monitoring.unregister_event_duration_listener(counter.on_event)
+      stack.enter_context(compiles.counting(counter.count))
+    step = (online.Step(mesh, **statics) if fresh
+            else online.make_step(mesh, **statics))
+    tap = Tap(step, servable, counter=counter, every_call=every_call)
+    mp.setattr(online, "make_step", lambda *args, **kw: tap)
+    state = driver.run_stream(target, draft, queries, cfg, num_slots=num_slots,
+                              mesh=mesh, seed=0, chat=False,
+                              on_request=records.append, **kwargs)
   return dict(records=records, tap=tap, state=state, step=step, mesh=mesh)
 
 

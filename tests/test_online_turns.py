@@ -1,6 +1,7 @@
 """The main job's passes taking turns over the stream's segments."""
 
 from experiments import online as main_job
+from osd_jax.serving import driver
 from osd_jax.serving.driver import Query
 
 
@@ -24,7 +25,7 @@ def test_interleaved_passes_take_turns_and_each_finishes_once():
   log, done = [], []
   runs = {"target": _pass("target", 3, log), "static": _pass("static", 3, log),
           "online": _pass("online", 3, log)}
-  main_job.serve_in_turns(runs, interleave=True, on_done=done.append)
+  driver.serve_in_turns(runs, interleave=True, on_done=done.append)
   assert log == [(name, piece) for piece in range(3)
                  for name in ("target", "static", "online")]
   assert done == ["target", "static", "online"]
@@ -33,6 +34,6 @@ def test_interleaved_passes_take_turns_and_each_finishes_once():
 def test_without_interleaving_each_pass_runs_to_its_end_first():
   log, done = [], []
   runs = {"target": _pass("target", 2, log), "online": _pass("online", 2, log)}
-  main_job.serve_in_turns(runs, interleave=False, on_done=done.append)
+  driver.serve_in_turns(runs, interleave=False, on_done=done.append)
   assert log == [("target", 0), ("target", 1), ("online", 0), ("online", 1)]
   assert done == ["target", "online"]

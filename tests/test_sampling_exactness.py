@@ -235,6 +235,34 @@ def test_confident_draft_stays_exact(target, draft, trim_verify):
   assert empirical_tv(samples, p) < tv_bound(p)
 
 
+def stop_before_unlikely_draws(target, draft):
+  """(TV, bound, metrics) of a draft proposing only draws it gave >= 0.6."""
+  sampling, k = SETTINGS[0]
+  p = exact_distribution(target, sampling)
+  short = ModelDraft(draft.config, confidence_threshold=0.6,
+                     stop_before_unconfident=True)
+  samples, metrics = sample(target, short, draft.params, k, sampling,
+                            trim_verify=True)
+  # Some steps proposed nothing, some proposed draws.
+  assert 0 < metrics.proposed < metrics.target_calls
+  return empirical_tv(samples, p), tv_bound(p), metrics
+
+
+def test_a_draft_stopping_before_an_unlikely_draw_stays_exact(target, draft):
+  """Whether a draw is proposed depends on the draw itself; given that it is,
+  q is the one token above the threshold, one-hot, and the rule is exact."""
+  tv, bound, _ = stop_before_unlikely_draws(target, draft)
+  assert tv < bound
+
+
+def test_keeping_the_softmax_of_a_selected_draw_fails(target, draft, monkeypatch):
+  """The same draft with q its softmax (selection ignored) is not exact."""
+  monkeypatch.setattr(ModelDraft, "_given_proposed",
+                      lambda self, logits, tokens, sampling: logits)
+  tv, bound, _ = stop_before_unlikely_draws(target, draft)
+  assert tv > bound
+
+
 def test_hybrid_draft_stays_exact(target, draft):
   """The copy on matched steps, the model draft's own draws on the others."""
   sampling, k = SETTINGS[2]

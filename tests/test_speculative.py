@@ -1,6 +1,7 @@
 """Speculative decoding: lossless greedy output for every draft kind, rollback,
 alpha, per-position metrics, per-row stops, and the n-gram lookup."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.decoding import speculative
 from osd_jax.decoding.drafts import (Context, Draft, HybridDraft, ModelDraft,
-                                     NGramDraft)
+                                     MultiDraft, NGramDraft)
 from osd_jax.decoding.engine import Engine, acceptance_by_position
 from osd_jax.decoding.prefill import prefill
 from osd_jax.decoding.sampling import GREEDY, Sampling
@@ -99,6 +100,12 @@ def drafts(target):
       "hybrid_confident": Draft(
           HybridDraft(confident(derived).drafter, NGramDraft(VOCAB)),
           derived.params, "hybrid, confident"),
+      # The serving defaults: short proposals, for trimmed verification.
+      "hybrid_short": Draft(
+          HybridDraft(ModelDraft(derived.config, confidence_threshold=0.6,
+                                 stop_before_unconfident=True),
+                      NGramDraft(VOCAB, max_ngram=4, min_ngram=2, cap_at_match=True)),
+          derived.params, "hybrid, confident, capped lookup"),
   }
 
 
@@ -113,7 +120,8 @@ def confident(draft, threshold=CONFIDENCE):
     ("independent", 3, False), ("restricted", 2, False), ("ngram", 1, False),
     ("ngram", 4, False), ("hybrid", 2, False), ("hybrid", 4, False),
     ("confident", 4, False), ("hybrid_confident", 4, False),
-    ("confident", 4, True), ("hybrid_confident", 4, True), ("derived", 3, True)])
+    ("confident", 4, True), ("hybrid_confident", 4, True), ("derived", 3, True),
+    ("hybrid_short", 4, True), ("hybrid_short", 4, False)])
 def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
                                                  draft_name, k, trim_verify):
   results = run(target, drafts(target)[draft_name], prompts, k,
@@ -122,7 +130,7 @@ def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
   proposed, accepted = total(results, "proposed"), total(results, "accepted")
   if draft_name in ("derived", "ngram", "hybrid"):  # accept and reject paths ran
     assert 0 < accepted < proposed
-  if draft_name in ("ngram", "confident"):  # some steps proposed fewer than k
+  if draft_name in ("ngram", "confident", "hybrid_short"):  # some proposed < k
     assert proposed < k * total(results, "target_calls")
   if draft_name == "confident":  # and some more than one
     assert proposed > total(results, "target_calls")
@@ -208,12 +216,32 @@ def test_ngram_lookup_matches_the_reference_on_random_rows():
   rows = [rng.integers(3, 7, int(n)).tolist() for n in rng.integers(1, 20, 64)]
   for max_ngram, min_ngram in [(3, 1), (2, 2), (4, 2)]:
     drafter = NGramDraft(VOCAB, max_ngram=max_ngram, min_ngram=min_ngram)
-    tokens, found = drafter.lookup(lookup_context(rows), 4)
-    for row, got, has in zip(rows, tokens.tolist(), found.tolist()):
+    tokens, counts = drafter.lookup(lookup_context(rows), 4)
+    for row, got, count in zip(rows, tokens.tolist(), counts.tolist()):
       expected = reference_lookup(row, 4, max_ngram, min_ngram)
-      assert has == (expected is not None)
-      if has:
+      assert count == (0 if expected is None else 4)
+      if count:
         assert got == expected
+
+
+def matched_length(row, max_ngram, min_ngram):
+  """n of the longest suffix n-gram that occurred earlier (0: none)."""
+  return next((n for n in range(max_ngram, min_ngram - 1, -1)
+               if any(row[j:j + n] == row[-n:] for j in range(len(row) - n))), 0)
+
+
+def test_a_capped_lookup_proposes_as_many_tokens_as_it_matched():
+  rng = np.random.default_rng(1)
+  rows = [rng.integers(3, 6, int(n)).tolist() for n in rng.integers(1, 24, 64)]
+  for k in (2, 3):
+    capped = NGramDraft(VOCAB, max_ngram=4, min_ngram=1, cap_at_match=True)
+    full = dataclasses.replace(capped, cap_at_match=False)
+    ctx = lookup_context(rows)
+    tokens, counts = capped.lookup(ctx, k)
+    np.testing.assert_array_equal(tokens, full.lookup(ctx, k)[0])
+    expected = [min(matched_length(row, 4, 1), k) for row in rows]
+    assert counts.tolist() == expected
+    assert 0 < sum(c < k for c in expected if c) and sum(c == k for c in expected)
 
 
 def test_hybrid_proposes_ngram_where_matched_and_the_draft_elsewhere(target):
@@ -223,7 +251,8 @@ def test_hybrid_proposes_ngram_where_matched_and_the_draft_elsewhere(target):
   hybrid = HybridDraft(model, NGramDraft(VOCAB))
   rows = [row for row, _, _ in HAND_BUILT[:3]] + [[10, 11, 12], [3, 4, 5, 6, 7]]
   ctx = lookup_context(rows)
-  copied, matched = hybrid.ngram.lookup(ctx, k)
+  copied, counts = hybrid.ngram.lookup(ctx, k)
+  matched = counts > 0
   assert matched.tolist() == [True, True, True, False, False]
   params = model.prepare(draft.params)
   cache = jax.jit(model.prefill)(params, model.init_state(len(rows), 24),
@@ -240,11 +269,21 @@ def test_hybrid_proposes_ngram_where_matched_and_the_draft_elsewhere(target):
                                 jax.nn.one_hot(copied[hot], VOCAB))
   np.testing.assert_array_equal(mixed.tokens[~hot], own.tokens[~hot])
   np.testing.assert_allclose(mixed.logits[~hot], own.logits[~hot], atol=1e-5)
+  # A capped lookup's rows propose its counts; the draft's rows still k.
+  capped = HybridDraft(model, dataclasses.replace(hybrid.ngram, cap_at_match=True))
+  counts = capped.ngram.lookup(ctx, k)[1]
+  assert counts.tolist()[:3] != [k] * 3
+  np.testing.assert_array_equal(propose(capped).num_proposed,
+                                np.where(hot, counts, k))
 
 
-def test_a_confident_draft_stops_after_its_first_unlikely_draw(target):
-  """Row b proposes draws up to and including the first with q < threshold."""
-  k, sampling = 4, Sampling(temperature=1.2)
+@pytest.mark.parametrize("stop_before, temperature", [(False, 1.2), (True, 0.1)])
+def test_a_confident_draft_stops_at_its_first_unlikely_draw(target, stop_before,
+                                                           temperature):
+  """Row b proposes draws up to and including the first with q < threshold,
+  or, with stop_before_unconfident, up to it and as one-hots (a threshold
+  above 0.5, reached at a low temperature)."""
+  k, sampling = 4, Sampling(temperature=temperature)
   draft = draft_lib.derive(target, [0])
   rows = [row for row, _, _ in HAND_BUILT[:3]] + [[10, 11, 12], [3, 4, 5, 6, 7]]
   ctx = lookup_context(rows)
@@ -261,15 +300,32 @@ def test_a_confident_draft_stops_after_its_first_unlikely_draw(target):
   q_x = np.take_along_axis(np.asarray(sampling.probs(full.logits)),
                            np.asarray(full.tokens)[..., None], axis=2)[..., 0]
   threshold = float(np.median(q_x[:, :k - 1]))  # both outcomes occur
+  assert threshold > 0.5 or not stop_before
   unlikely = q_x[:, :k - 1] < threshold
-  expected = np.where(unlikely.any(1), unlikely.argmax(1) + 1, k)
-  assert 1 <= expected.min() < expected.max() <= k
-  short = propose(ModelDraft(draft.config, confidence_threshold=threshold))
+  after = np.where(unlikely.any(1), unlikely.argmax(1) + 1, k)
+  expected = np.where(unlikely.any(1), after - 1, k) if stop_before else after
+  assert expected.min() == (0 if stop_before else 1) and expected.max() > 1
+  short = propose(ModelDraft(draft.config, confidence_threshold=threshold,
+                             stop_before_unconfident=stop_before))
   np.testing.assert_array_equal(short.num_proposed, expected)
   for row, count in enumerate(expected):
     np.testing.assert_array_equal(short.tokens[row, :count], full.tokens[row, :count])
-    np.testing.assert_allclose(short.logits[row, :count], full.logits[row, :count],
-                               atol=1e-5)
+    if stop_before:  # given that it was proposed, a draw is the one likely token
+      np.testing.assert_array_equal(sampling.probs(short.logits[row, :count]),
+                                    jax.nn.one_hot(full.tokens[row, :count], VOCAB))
+    else:
+      np.testing.assert_allclose(short.logits[row, :count], full.logits[row, :count],
+                                 atol=1e-5)
+
+
+def test_full_width_steps_turn_the_short_proposal_options_off():
+  config = tiny_model().config
+  short = HybridDraft(
+      ModelDraft(config, confidence_threshold=0.6, stop_before_unconfident=True),
+      NGramDraft(VOCAB, max_ngram=4, min_ngram=2, cap_at_match=True))
+  full = MultiDraft(short, 2).at_full_width().base
+  assert full == HybridDraft(ModelDraft(config, confidence_threshold=0.6),
+                             NGramDraft(VOCAB, max_ngram=4, min_ngram=2))
 
 
 def test_a_confidence_threshold_must_be_a_probability():
@@ -447,7 +503,7 @@ def test_a_trimmed_verification_scores_only_what_was_proposed(target, needed):
   tokens = jnp.asarray([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], jnp.int32)
   cache = config.init_cache(2, CACHE).with_lengths(jnp.asarray([0, 0], jnp.int32))
   cache = llama.forward(params, config, jnp.asarray([[1, 2, 3], [2, 3, 4]]), cache)[1]
-  score = jax.jit(speculative._verify_pass, static_argnums=(1, 5))  # pylint: disable=protected-access
+  score = jax.jit(speculative.verify_pass, static_argnums=(1, 5))
   full_h, full_logits, full_cache = score(params, config, tokens, cache, None, (5,), 5)
   h, logits, new_cache = score(params, config, tokens, cache, None,
                                speculative.verify_widths(4), needed)

@@ -105,7 +105,7 @@ class SlotConfig:
   num_slots: int
   cache_size: int  # positions per slot: prompt + new tokens + k must fit
   # In calls over fewer than TRIM_BELOW_BATCH slots, verify only as many
-  # positions as the step's longest proposal needs (speculative._verify_pass).
+  # positions as the step's longest proposal needs (speculative.verify_pass).
   trim_verify: bool = False
 
   def fits(self, prompt_len: int, max_new_tokens: int) -> bool:

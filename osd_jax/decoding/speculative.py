@@ -204,7 +204,7 @@ def verify_widths(k: int) -> tuple[int, ...]:
   return tuple(range(1, k + 2))
 
 
-def _verify_pass(target_params, target_config: LlamaConfig, verify_BxT,
+def verify_pass(target_params, target_config: LlamaConfig, verify_BxT,
                  cache: KVCache, window, widths: tuple[int, ...], needed):
   """The target's hidden states and logits over `verify`, and the cache
   holding its keys/values; the pass runs on only the first `needed` positions.
@@ -250,10 +250,13 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   after the step must fit). The target's logits and hidden states at the
   verified positions come back in the result: the teacher for online
   distillation, with no second target pass. `trim_verify` verifies only
-  as many positions as the longest active proposal needs (see _verify_pass).
+  as many positions as the longest active proposal needs (see verify_pass);
+  without it the drafter proposes at full width (Drafter.at_full_width).
   """
   if sampling is None:
     sampling = state.sampling
+  if not trim_verify:
+    drafter = drafter.at_full_width()
   keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.rng)
   next_keys, draft_keys, accept_keys = keys[:, 0], keys[:, 1], keys[:, 2]
   m = state.lengths
@@ -262,7 +265,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
                                     sampling, window)
   verify = jnp.concatenate([ctx.last_token[:, None], proposal.tokens], axis=1)
   widths = verify_widths(k) if trim_verify else (k + 1,)
-  hidden, target_logits, target_cache = _verify_pass(
+  hidden, target_logits, target_cache = verify_pass(
       target_params, target_config, verify, state.target_cache, window, widths,
       jnp.max(jnp.where(state.done, 0, proposal.num_proposed)) + 1)
   n, y, alpha = _accept(proposal, target_logits, accept_keys, sampling)

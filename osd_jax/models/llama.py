@@ -233,7 +233,7 @@ def score(params: Params, config: LlamaConfig, tokens_BxT: jax.Array, cache: KVC
   """`forward` over a cache that it reads but does not write: the hidden
   states [B, T, D] and the new tokens' keys/values, for `KVCache.append`.
 
-  A caller choosing among passes of several widths (speculative._verify_pass)
+  A caller choosing among passes of several widths (speculative.verify_pass)
   writes once, after the choice: were the cache written inside each branch,
   XLA would copy all of it into and out of the branch. Elsewhere `forward`
   is faster: writing first, then attending over the window, lets XLA update

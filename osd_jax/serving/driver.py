@@ -153,6 +153,20 @@ def run_stream(*args, **kwargs) -> online.OnlineState:
   return state
 
 
+def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
+                   on_done: Callable[[str], None] = lambda name: None) -> None:
+  """Drives serve_stream generators. Interleaved, the passes go round in
+  turns, each up to its next pause (so a machine whose speed drifts slows
+  every pass alike); otherwise each runs to its end before the next starts."""
+  groups = [list(runs)] if interleave else [[name] for name in runs]
+  for group in groups:
+    while group:
+      for name in list(group):
+        if next(runs[name], None) is None:
+          group.remove(name)
+          on_done(name)
+
+
 def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                  cfg: online.OnlineConfig, *, num_slots: int,
                  mesh: jax.sharding.Mesh, seed: int = 0, chat: bool = True,

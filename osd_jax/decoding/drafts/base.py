@@ -64,7 +64,12 @@ class Forced:
   """Tokens a wrapper (the hybrid) makes a drafter propose instead of its own."""
 
   tokens: jax.Array  # [B, k]
-  is_forced: jax.Array  # [B] rows whose proposal is replaced
+  counts: jax.Array  # [B] how many of them are proposed; 0: the drafter's own row
+
+  @property
+  def is_forced(self) -> jax.Array:
+    """[B] rows whose proposal is replaced."""
+    return self.counts > 0
 
 
 class Drafter(Protocol):
@@ -95,6 +100,11 @@ class Drafter(Protocol):
 
   def insert_row(self, state, row: jax.Array, one) -> Any:
     """`state` with row `row` replaced by a one-row state (a new request)."""
+
+  def at_full_width(self) -> "Drafter":
+    """The drafter for steps that verify all k + 1 positions: options that
+    shorten proposals (they pay only when verification is trimmed to the
+    proposal) off, since there a longer proposal costs no target time."""
 
 
 @dataclasses.dataclass
@@ -136,8 +146,7 @@ def apply_forced(proposal: Proposal, forced: Forced | None,
     return proposal
   row = forced.is_forced[:, None]
   return proposal.replace(
-      num_proposed=jnp.where(forced.is_forced, forced.tokens.shape[1],
-                             proposal.num_proposed),
+      num_proposed=jnp.where(forced.is_forced, forced.counts, proposal.num_proposed),
       tokens=jnp.where(row, forced.tokens, proposal.tokens),
       logits=jnp.where(row[..., None], one_hot_logits(forced.tokens, vocab_size),
                        proposal.logits))
@@ -172,3 +181,6 @@ class NoDraft:
 
   def insert_row(self, state, row, one):
     return state
+
+  def at_full_width(self):
+    return self

@@ -107,3 +107,6 @@ class FeatureDraft:
   def insert_row(self, state: FeatureState, row, one: FeatureState) -> FeatureState:
     return FeatureState(state.cache.insert_row(row, one.cache),
                         state.feature.at[row].set(one.feature[0]))
+
+  def at_full_width(self):
+    return self

@@ -39,15 +39,18 @@ class HybridDraft:
               forced=None):
     """When lookup covers every row the base draft is skipped: its commit
     re-reads the kept tokens anyway, so its state stays right."""
-    tokens, found = self.ngram.lookup(ctx, k)
+    tokens, counts = self.ngram.lookup(ctx, k)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
-                                    jnp.full(found.shape, k, jnp.int32)), state)
+                                    counts), state)
     with_base = lambda: self.base.propose(params, state, ctx, rng_B, k, sampling,
-                                          window, forced=Forced(tokens, found))
-    return jax.lax.cond(jnp.all(found), lookup_only, with_base)
+                                          window, forced=Forced(tokens, counts))
+    return jax.lax.cond(jnp.all(counts > 0), lookup_only, with_base)
 
   def commit(self, params, state, verified, window):
     return self.base.commit(params, state, verified, window)
 
   def insert_row(self, state, row, one):
     return self.base.insert_row(state, row, one)
+
+  def at_full_width(self):
+    return HybridDraft(self.base.at_full_width(), self.ngram.at_full_width())

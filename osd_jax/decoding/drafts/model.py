@@ -10,7 +10,16 @@ With a confidence threshold (Hugging Face's `assistant_confidence_threshold`)
 a row stops drafting after a token its draft gave less than that probability:
 later draws would most likely be thrown away, so the step saves their draft
 passes. The stop depends only on the draft's own draws, so rejection sampling
-stays exact.
+stays exact. With `stop_before_unconfident` the unlikely draw itself is not
+proposed either, so a step may propose nothing: with verification trimmed to
+the proposal's width, a draw that is mostly rejected costs more target time
+than it saves (steps at full width propose it: `at_full_width`). Whether a
+draw is proposed then depends on the draw itself, so its q is no longer the
+draft's softmax: given that it is proposed it is the one token above the
+threshold (the threshold must exceed 0.5, so there is at most one), and the
+proposal is that token one-hot. Rejection sampling against the one-hot,
+after a stop with probability 1 - q(token), gives the target's distribution.
+(tests/test_sampling_exactness.py: keeping the softmax fails there.)
 """
 
 import dataclasses
@@ -19,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from osd_jax.decoding.drafts.base import (Context, Forced, Proposal, apply_forced,
-                                          token_picker)
+                                          one_hot_logits, token_picker)
 from osd_jax.decoding.prefill import prefill as prefill_model
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import llama
@@ -35,11 +44,17 @@ class ModelDraft:
   needs_hidden: bool = False
   # Stop a row's proposal after a draw of lower probability (0: always k).
   confidence_threshold: float = 0.0
+  # Propose only the draws at or above the threshold (not the one below it).
+  stop_before_unconfident: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.confidence_threshold < 1.0:
       raise ValueError("The draft confidence threshold must be in [0, 1), got"
                        f" {self.confidence_threshold}.")
+    if self.stop_before_unconfident and self.confidence_threshold <= 0.5:
+      raise ValueError("Stopping before an unconfident draw needs a confidence"
+                       " threshold above 0.5 (at most one confident token),"
+                       f" got {self.confidence_threshold}.")
 
   def prepare(self, params, target_params=None):
     return llama.for_decoding(params, self.config)
@@ -91,13 +106,25 @@ class ModelDraft:
       i, token, cache, tokens, logits, counts, going = carry
       nxt, step_logits, cache = draw(i, token, cache)
       q_x = jnp.take_along_axis(sampling.probs(step_logits), nxt[:, None], axis=1)[:, 0]
+      confident = q_x >= self.confidence_threshold
+      proposed = going & confident if self.stop_before_unconfident else going
       return (i + 1, nxt, cache, tokens.at[:, i].set(nxt),
-              logits.at[:, i].set(step_logits), counts + going,
-              going & (q_x >= self.confidence_threshold))
+              logits.at[:, i].set(step_logits), counts + proposed, going & confident)
 
     _, _, cache, tokens, logits, counts, _ = jax.lax.while_loop(
         lambda c: (c[0] < k) & c[-1].any(), body, init)
+    if self.stop_before_unconfident:
+      logits = self._given_proposed(logits, tokens, sampling)
     return Proposal(tokens, logits, counts), cache
+
+  def _given_proposed(self, logits, tokens, sampling):
+    """q of a draw given that it was proposed: one-hot for sampled rows. The
+    greedy rule reads no q, so greedy rows keep the softmax (for alpha)."""
+    hot = one_hot_logits(tokens, self.config.vocab_size)
+    greedy = sampling.is_greedy
+    if isinstance(greedy, bool):
+      return logits if greedy else hot
+    return jnp.where(greedy[:, None, None], logits, hot)
 
   def commit(self, params, cache: KVCache, verified, window) -> KVCache:
     """Re-reads the kept positions m..m+kept-1 (no head: only keys and values)."""
@@ -107,3 +134,6 @@ class ModelDraft:
 
   def insert_row(self, cache: KVCache, row, one: KVCache) -> KVCache:
     return cache.insert_row(row, one)
+
+  def at_full_width(self):
+    return dataclasses.replace(self, stop_before_unconfident=False)

@@ -65,3 +65,6 @@ class MultiDraft:
 
   def insert_row(self, state, row, one):
     return tuple(self.base.insert_row(s, row, o) for s, o in zip(state, one))
+
+  def at_full_width(self):
+    return dataclasses.replace(self, base=self.base.at_full_width())

@@ -6,6 +6,11 @@ position where the row's last n tokens occurred before, and propose the k
 tokens that followed. A continuation that runs past the end of the sequence
 repeats itself (the copy keeps copying). Its q is one-hot, so acceptance is
 exact in sampling mode too.
+
+With `cap_at_match` a match of n tokens proposes at most n: a short match
+is weak evidence that the copy goes on. This pays when verification is
+trimmed to the proposal's width; steps at full width propose k anyway
+(`at_full_width`).
 """
 
 import dataclasses
@@ -51,6 +56,7 @@ class NGramDraft:
   vocab_size: int
   max_ngram: int = 3
   min_ngram: int = 1
+  cap_at_match: bool = False  # propose at most n tokens after an n-gram match
   needs_hidden: bool = False
 
   def __post_init__(self):
@@ -59,17 +65,18 @@ class NGramDraft:
                        f" {self.min_ngram}..{self.max_ngram}.")
 
   def lookup(self, ctx: Context, k: int) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B, k], has match [B]), the longest n that matches winning."""
+    """(tokens [B, k], how many of them to propose [B], 0 without a match),
+    the longest n that matches winning."""
     length = ctx.lengths + 1  # c_0..c_m
-    found = jnp.zeros(ctx.lengths.shape, bool)
+    counts = jnp.zeros(ctx.lengths.shape, jnp.int32)
     tokens = jnp.zeros(ctx.lengths.shape + (k,), jnp.int32)
     for n in range(self.max_ngram, self.min_ngram - 1, -1):
       has, start = latest_match(ctx.tokens, length, n)
-      take = has & ~found
+      take = has & (counts == 0)
       tokens = jnp.where(take[:, None],
                          continuation(ctx.tokens, length, start, n, k), tokens)
-      found |= has
-    return tokens, found
+      counts = jnp.where(take, min(n, k) if self.cap_at_match else k, counts)
+    return tokens, counts
 
   def prepare(self, params, target_params=None):
     return params
@@ -83,13 +90,14 @@ class NGramDraft:
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
     """Rows without a match propose nothing: the step emits one target token."""
-    tokens, found = self.lookup(ctx, k)
-    proposal = Proposal(tokens, one_hot_logits(tokens, self.vocab_size),
-                        jnp.where(found, k, 0).astype(jnp.int32))
-    return proposal, state
+    tokens, counts = self.lookup(ctx, k)
+    return Proposal(tokens, one_hot_logits(tokens, self.vocab_size), counts), state
 
   def commit(self, params, state, verified, window):
     return state
 
   def insert_row(self, state, row, one):
     return state
+
+  def at_full_width(self):
+    return dataclasses.replace(self, cap_at_match=False)
