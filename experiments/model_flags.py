@@ -43,8 +43,9 @@ EAGLE_ROLLOUT = flags.DEFINE_integer(
     "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.")
 DRAFT_STOP_BEFORE = flags.DEFINE_bool(
     "draft_stop_before_unconfident", False,
-    "With --draft_confidence_threshold, leave out the draw that fell below it"
-    " too, so a step may propose nothing. Only in calls whose verification is"
+    "With --draft_confidence_threshold above 0.5, leave out the draw that fell"
+    " below it too, so a step may propose nothing (a default left on applies"
+    " only with such a threshold). Only in calls whose verification is"
     " trimmed (--trim_verify, fewer than 4 slots): at full width the draw"
     " costs no target time.")
 NGRAM_MAX = flags.DEFINE_integer("ngram_max", 4, "Longest suffix n-gram looked up.")
@@ -134,6 +135,12 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
     model = load_draft_model(target, kind)
     draft = drafts.Draft(drafts.ModelDraft(model.config), model.params, model.source)
   draft = warm_started(target, draft)
+  stop_before = DRAFT_STOP_BEFORE.value and DRAFT_CONFIDENCE.value > 0.5
+  if (DRAFT_STOP_BEFORE.value and not stop_before
+      and not flags.FLAGS[DRAFT_STOP_BEFORE.name].using_default_value):
+    raise ValueError("--draft_stop_before_unconfident needs"
+                     " --draft_confidence_threshold above 0.5 (then at most one"
+                     f" token is confident), got {DRAFT_CONFIDENCE.value}.")
   if DRAFT_CONFIDENCE.value:
     if not isinstance(draft.drafter, drafts.ModelDraft):
       raise ValueError("--draft_confidence_threshold applies to model drafts"
@@ -141,10 +148,7 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
     # After the warm start: serving-only, so it does not key the cache.
     draft = dataclasses.replace(draft, drafter=dataclasses.replace(
         draft.drafter, confidence_threshold=DRAFT_CONFIDENCE.value,
-        stop_before_unconfident=DRAFT_STOP_BEFORE.value))
-  elif DRAFT_STOP_BEFORE.value:
-    raise ValueError("--draft_stop_before_unconfident needs"
-                     " --draft_confidence_threshold above 0.")
+        stop_before_unconfident=stop_before))
   if hybrid:
     return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
                         f"{draft.source} + ngram")

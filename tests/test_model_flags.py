@@ -1,6 +1,7 @@
 """Model flags: --dtype=bfloat16 on a CPU backend warns that float32 is faster;
 the draft flags reach the drafter."""
 
+from absl import flags
 from absl.testing import flagsaver
 import jax
 import pytest
@@ -60,6 +61,22 @@ def test_the_short_proposal_flags_reach_the_drafters():
   with flagsaver.flagsaver(**dict(saved, draft="ngram", hybrid=False,
                                   ngram_cap_at_match=True)):
     assert model_flags.load_draft(target).drafter.cap_at_match
-  with flagsaver.flagsaver(**dict(saved, draft_confidence_threshold=0.0)):
-    with pytest.raises(ValueError, match="needs --draft_confidence_threshold"):
-      model_flags.load_draft(target)
+  for threshold in (0.0, 0.3):
+    with flagsaver.flagsaver(**dict(saved, draft_confidence_threshold=threshold)):
+      with pytest.raises(ValueError, match="needs --draft_confidence_threshold above 0.5"):
+        model_flags.load_draft(target)
+
+
+def test_a_default_stop_before_waits_for_a_threshold_above_a_half():
+  """Left at a default of on, it applies with 0.7 and stands aside with 0.3."""
+  target = tiny_model()
+  saved = dict(draft="derived", draft_layers=["0"], draft_head_vocab=0,
+               warm_start="none", hybrid=False)
+  flag = flags.FLAGS["draft_stop_before_unconfident"]
+  with flagsaver.flagsaver():
+    flags.FLAGS.set_default(flag.name, True)
+    assert flag.using_default_value
+    for threshold, applies in ((0.7, True), (0.3, False), (0.0, False)):
+      with flagsaver.flagsaver(**dict(saved, draft_confidence_threshold=threshold)):
+        drafter = model_flags.load_draft(target).drafter
+      assert drafter.stop_before_unconfident == applies
