@@ -3,11 +3,13 @@
   python -m experiments.online --output_dir=outputs/online            # defaults
   python -m experiments.online --num_requests=48 --output_dir=/tmp/o  # a quick look
 
-Serves the same stream three times with continuous batching: target-only,
-speculatively with the draft kept static, and learning online. The passes
-take turns, one stream segment each, so each segment's three timings are
-minutes apart rather than a whole pass apart (a shared host's speed drifts
-by 10-15 % over minutes). Reports alpha, tokens per target call, tokens/s
+Serves the same stream four times with continuous batching: target-only,
+speculatively with the draft kept static, learning online, and with n-gram
+lookup alone (the zero-training baseline a user would try first). The
+passes take turns, 8 requests each at one slot (--turn) and a turn ending
+at every domain change, so each stretch's timings are seconds apart rather
+than a whole pass apart (a shared host's speed drifts, by half within an
+hour on the development machine). Reports alpha, tokens per target call, tokens/s
 and the speed-up over target-only per segment and over the last window, and
 plots alpha and tokens/s.
 """
@@ -45,10 +47,12 @@ STEPS_PER_CALL = flags.DEFINE_integer(
     " refills; a call ends sooner when a slot finishes and requests wait.")
 DEVICES = flags.DEFINE_string("devices", "all", "'all' or how many local devices.")
 CHAT = flags.DEFINE_bool("chat", True, "Wrap queries in the chat template.")
+PASSES = ("target", "static", "online", "ngram")
 RUNS = flags.DEFINE_list(
-    "runs", ["target", "static", "online"],
+    "runs", list(PASSES),
     "Which passes over the stream: target (target-only), static (the draft"
-    " never learns), online (the draft learns as it serves).")
+    " never learns), online (the draft learns as it serves), ngram (prompt"
+    " lookup alone, --ngram_min..--ngram_max: no parameters).")
 # Learning.
 SAMPLE_SOURCE = flags.DEFINE_enum("sample_source", "served", list(samples.SOURCES),
                                   "Where training tokens come from.")
@@ -75,9 +79,15 @@ RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_di
 model_flags.serve_with_the_best_draft()
 
 INTERLEAVE = flags.DEFINE_bool(
-    "interleave", True, "Serve the passes in turns, a stream segment each (a"
-    " turn ends where the domain changes, after at least --window requests);"
-    " off: each pass serves the whole stream before the next starts.")
+    "interleave", True, "Serve the passes in turns (a turn ends where the"
+    " domain changes, after at least --window requests, and every --turn"
+    " requests); off: each pass serves the whole stream before the next starts.")
+TURN = flags.DEFINE_integer(
+    "turn", None, "With --interleave, a turn also ends after this many"
+    " requests (0: only where the domain changes). Default 8 at one slot,"
+    " where a turn's end costs nothing: a shared host's speed can change by"
+    " half within the hour, and short turns expose every pass to the same drift;"
+    " 0 with more slots, where a turn's end drains them.", lower_bound=0)
 WINDOW = flags.DEFINE_integer(
     "window", 16, "Requests in the rolling alpha and in the per-segment and"
     " last-window figures.")
@@ -97,11 +107,15 @@ def online_config(num_drafts: int, k: int, learn: bool) -> online.OnlineConfig:
               NUM_REQUESTS.value // learning_flags.UPDATE_INTERVAL.value, 1)))
 
 
-def turn_ends(queries: list[driver.Query], min_requests: int) -> list[int]:
-  """Where one pass's turn ends: each domain change at least `min_requests` on."""
+def turn_ends(queries: list[driver.Query], min_requests: int,
+              every: int = 0) -> list[int]:
+  """Where one pass's turn ends: each domain change at least `min_requests`
+  on, and (`every` > 0) `every` requests after the previous end."""
   ends = [0]
   for i in range(1, len(queries)):
-    if queries[i].domain != queries[i - 1].domain and i - ends[-1] >= min_requests:
+    changed = queries[i].domain != queries[i - 1].domain
+    if ((changed and i - ends[-1] >= min_requests)
+        or (every and i - ends[-1] >= every)):
       ends.append(i)
   return ends[1:]
 
@@ -146,7 +160,7 @@ def _finish(name: str, reporter: Reporter | None, ckpt: Checkpointer | None) -> 
 def main(argv):
   del argv
   multihost_flags.maybe_initialize()
-  unknown = set(RUNS.value) - {"target", "static", "online"}
+  unknown = set(RUNS.value) - set(PASSES)
   if unknown:
     raise app.UsageError(f"--runs has unknown passes {sorted(unknown)}.")
   num_devices = None if DEVICES.value == "all" else int(DEVICES.value)
@@ -185,10 +199,13 @@ def main(argv):
       "target": (Draft(NoDraft(target.config.vocab_size), (), "none"),
                  online_config(1, 0, learn=False), None),
       "static": (draft, dataclasses.replace(cfg, learn=False), None),
-      "online": (draft, cfg, checkpointer)}
+      "online": (draft, cfg, checkpointer),
+      "ngram": (model_flags.load_draft(target, "ngram", hybrid=False),
+                online_config(1, K.value, learn=False), None)}
   primary = distributed.is_primary()  # only process 0 writes results
-  pauses = turn_ends(queries, WINDOW.value) if INTERLEAVE.value else []
-  names = [r for r in ("target", "static", "online") if r in RUNS.value]
+  turn = TURN.value if TURN.value is not None else (8 if SLOTS.value == 1 else 0)
+  pauses = turn_ends(queries, WINDOW.value, turn) if INTERLEAVE.value else []
+  names = [r for r in PASSES if r in RUNS.value]
   serving, reporters = {}, {}
   for name in names:
     run_draft, run_cfg, ckpt = passes[name]

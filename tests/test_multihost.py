@@ -133,8 +133,10 @@ def test_two_processes_match_one(tmp_path):
   assert sorted(got.files) == sorted(want.files)
   for name in want.files:
     # Equal up to float rounding: gloo sums gradients across hosts in
-    # another order than one process does (seen: at most 3e-7).
-    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6,
+    # another order than one process does (seen: at most 3e-7 on AVX2,
+    # 2.2e-6 on an AVX-512 EPYC). A lost or repeated Adam step at the
+    # default learning rate moves weights by about 1e-3.
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5,
                                err_msg=name)
   records = {n: json.load(open(dirs[n] / "records.json")) for n in ("p0", "single")}
   assert [r["request"] for r in records["single"] if "error" in r] == [20]

@@ -15,6 +15,13 @@ def test_turns_end_where_the_domain_changes_after_a_window():
   assert main_job.turn_ends(queries[:5], min_requests=1) == []
 
 
+def test_short_turns_also_end_every_few_requests():
+  domains = ["math"] * 5 + ["sql"] * 2 + ["code"] * 6
+  queries = [Query("q", domain=d) for d in domains]
+  assert main_job.turn_ends(queries, min_requests=4, every=3) == [3, 6, 9, 12]
+  assert main_job.turn_ends(queries, min_requests=1, every=4) == [4, 5, 7, 11]
+
+
 def _pass(name, pieces, log):
   for piece in range(pieces):
     log.append((name, piece))

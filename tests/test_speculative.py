@@ -12,7 +12,7 @@ import pytest
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.decoding import speculative
 from osd_jax.decoding.drafts import (Context, Draft, HybridDraft, ModelDraft,
-                                     MultiDraft, NGramDraft)
+                                     MultiDraft, NGramDraft, Verified)
 from osd_jax.decoding.engine import Engine, acceptance_by_position
 from osd_jax.decoding.prefill import prefill
 from osd_jax.decoding.sampling import GREEDY, Sampling
@@ -514,6 +514,37 @@ def test_a_trimmed_verification_scores_only_what_was_proposed(target, needed):
     for ours, theirs in zip(new_cache.valid_entries(row, 3 + needed),
                             full_cache.valid_entries(row, 3 + needed)):
       np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize("needed", [1, 2, 4])
+def test_a_trimmed_commit_caches_what_the_full_commit_does(target, needed):
+  """The draft re-reads only the first `needed` verified positions: rows
+  keeping up to that many get the same lengths and cached entries as a
+  commit at full width (a wrong width would leave later proposals reading
+  stale keys, which greedy equality alone would not catch)."""
+  draft = draft_lib.derive(target, [0, 1])
+  drafter = ModelDraft(draft.config)
+  params = llama.for_decoding(draft.params, draft.config)
+  cache = draft.config.init_cache(2, CACHE).with_lengths(jnp.zeros((2,), jnp.int32))
+  cache = llama.forward(params, draft.config, jnp.asarray([[1, 2, 3], [2, 3, 4]]),
+                        cache)[1]
+  tokens = jnp.asarray([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], jnp.int32)
+  kept = jnp.asarray([needed, max(needed - 1, 0)], jnp.int32)
+  verified = Verified(jnp.zeros((2, 5, draft.config.hidden_dim)), tokens,
+                      jnp.roll(tokens, -1, axis=1), kept, jnp.asarray([3, 3], jnp.int32))
+  commit = jax.jit(speculative.commit_pass, static_argnums=(0, 4, 5))
+  full = commit(drafter, params, cache, verified, None, (5,), 5)
+  ours = commit(drafter, params, cache, verified, None, speculative.verify_widths(4),
+                needed)
+  np.testing.assert_array_equal(ours.lengths, 3 + kept)
+  np.testing.assert_array_equal(full.lengths, 3 + kept)
+  for row in range(2):
+    for a, b in zip(ours.valid_entries(row, 3 + int(kept[row])),
+                    full.valid_entries(row, 3 + int(kept[row]))):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+  # It did read: the kept entries differ from the cache before the commit.
+  assert not np.allclose(ours.valid_entries(0, 3 + needed)[0],
+                         cache.valid_entries(0, 3 + needed)[0])
 
 
 # --- the real model -----------------------------------------------------------

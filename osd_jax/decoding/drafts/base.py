@@ -58,6 +58,11 @@ class Verified:
   kept: jax.Array  # [B] tokens appended (0 for finished rows)
   start: jax.Array  # [B] m before the step
 
+  def narrowed(self, width: int) -> "Verified":
+    """The first `width` positions (every row keeps at most that many)."""
+    return self.replace(hidden=self.hidden[:, :width], tokens=self.tokens[:, :width],
+                        emitted=self.emitted[:, :width])
+
 
 @flax.struct.dataclass
 class Forced:
