@@ -221,20 +221,23 @@ def verify_pass(target_params, target_config: LlamaConfig, verify_BxT,
   full = verify_BxT.shape[1]
 
   def at_width(w):
-    def run():
-      hidden, new = llama.score(target_params, target_config, verify_BxT[:, :w],
-                                cache, window=window)
-      logits = llama.logits(target_params, target_config, hidden)
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, full - w), (0, 0)))
-      return pad(hidden), pad(logits), new.padded_to(full)
-    return run
+    hidden, new = llama.score(target_params, target_config, verify_BxT[:, :w],
+                              cache, window=window)
+    logits = llama.logits(target_params, target_config, hidden)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, full - w), (0, 0)))
+    return pad(hidden), pad(logits), new.padded_to(full)
 
-  if len(widths) == 1:
-    hidden, logits, new = at_width(widths[0])()
-  else:
-    index = jnp.minimum(jnp.searchsorted(jnp.array(widths), needed), len(widths) - 1)
-    hidden, logits, new = jax.lax.switch(index, [at_width(w) for w in widths])
+  hidden, logits, new = _at_smallest_width(widths, needed, at_width)
   return hidden, logits, cache.append(new, starts_B=cache.lengths)
+
+
+def _at_smallest_width(widths: tuple[int, ...], needed, at_width):
+  """at_width(w) for the smallest of `widths` that holds `needed` (the
+  largest if none does): one branch per width under lax.switch."""
+  if len(widths) == 1:
+    return at_width(widths[0])
+  index = jnp.minimum(jnp.searchsorted(jnp.array(widths), needed), len(widths) - 1)
+  return jax.lax.switch(index, [functools.partial(at_width, w) for w in widths])
 
 
 def commit_pass(drafter, draft_params, draft, verified: Verified, window,
@@ -244,12 +247,10 @@ def commit_pass(drafter, draft_params, draft, verified: Verified, window,
   than its proposal plus one token, so the rest hold nothing to commit; a
   2-layer draft re-reading 1 token costs about 0.4x re-reading 5 on a
   2-core CPU."""
-  if len(widths) == 1:
+  if len(widths) == 1:  # the full width: nothing to narrow
     return drafter.commit(draft_params, draft, verified, window)
-  index = jnp.minimum(jnp.searchsorted(jnp.array(widths), needed), len(widths) - 1)
-  return jax.lax.switch(index, [
-      lambda w=w: drafter.commit(draft_params, draft, verified.narrowed(w), window)
-      for w in widths])
+  return _at_smallest_width(widths, needed, lambda w: drafter.commit(
+      draft_params, draft, verified.narrowed(w), window))
 
 
 def speculate_and_verify(target_params, draft_params, state: SpecState, *,
