@@ -547,6 +547,48 @@ def test_a_trimmed_commit_caches_what_the_full_commit_does(target, needed):
                          cache.valid_entries(0, 3 + needed)[0])
 
 
+def test_a_commit_reads_only_what_the_proposal_did_not_cache(target):
+  """After its own proposal the draft's cache holds c_m, x_1, .. : a commit
+  keeping no more than that re-reads nothing (the entries the proposal
+  planted stay, bit for bit); keeping more, or a proposal that was another
+  copy's (MultiDraft), re-reads the kept tokens."""
+  draft = draft_lib.derive(target, [0, 1])
+  drafter = ModelDraft(draft.config)
+  params = llama.for_decoding(draft.params, draft.config)
+  start = jnp.asarray([3], jnp.int32)
+  cache = draft.config.init_cache(1, CACHE).with_lengths(jnp.zeros((1,), jnp.int32))
+  cache = llama.forward(params, draft.config, jnp.asarray([[1, 2, 3]]), cache)[1]
+  # The proposal fed c_m = 3 and a draw 6; verification read [3, 5, 7, ..].
+  planted = llama.forward(params, draft.config, jnp.asarray([[3, 6]]), cache)[1]
+  tokens = jnp.asarray([[3, 5, 7, 9, 11]], jnp.int32)
+  read = llama.forward(params, draft.config, tokens[:, :3], cache)[1]
+
+  def verified(kept, own=None):
+    return Verified(jnp.zeros((1, 5, draft.config.hidden_dim)), tokens, tokens,
+                    jnp.asarray([kept], jnp.int32), start, jnp.zeros((1,), jnp.int32),
+                    own)
+
+  def commit(kept, own=None):
+    out = jax.jit(drafter.commit)(params, planted, verified(kept, own), None)
+    np.testing.assert_array_equal(out.lengths, 3 + kept)
+    return out.valid_entries(0, 3 + kept)
+
+  for got, want in zip(commit(2), planted.valid_entries(0, 5)):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(commit(2, own=jnp.asarray([False])), read.valid_entries(0, 5)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  for got, want in zip(commit(3), read.valid_entries(0, 6)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  assert not np.allclose(planted.valid_entries(0, 5)[0], read.valid_entries(0, 5)[0])
+  # Per-category copies: the row is served by copy 0; copy 1 was fed its own draws.
+  ours, other = MultiDraft(drafter, 2).commit((params, params), (planted, planted),
+                                              verified(2), None)
+  for got, want in zip(ours.valid_entries(0, 5), planted.valid_entries(0, 5)):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(other.valid_entries(0, 5), read.valid_entries(0, 5)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 # --- the real model -----------------------------------------------------------
 
 

@@ -302,7 +302,8 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   tokens = _write_rows(state.tokens, emitted, kept, m + 1)
   target_cache = target_cache.with_lengths(m + kept)
   draft = commit_pass(drafter, draft_params, draft,
-                      Verified(hidden, verify, emitted, kept, m), window, widths, needed)
+                      Verified(hidden, verify, emitted, kept, m, ctx.route),
+                      window, widths, needed)
 
   is_verified = (jnp.arange(k) <= n[:, None]) & (
       jnp.arange(k) < proposal.num_proposed[:, None]) & active[:, None]

@@ -31,6 +31,7 @@ from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.serving import distributed
 from osd_jax.serving.records import Records, samples as record_samples
+from osd_jax.when import when
 
 AXIS = "data"
 
@@ -188,7 +189,7 @@ def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1
       records = records.with_prompt(slot, hidden)
     return state.replace(slots=slots, records=records)
 
-  return jax.lax.cond(slot_1[0] >= 0, admit, lambda s: s, state)
+  return when(slot_1[0] >= 0, admit, state)
 
 
 def _student_rows(target_params, draft_params, state: OnlineState, rows, rng,
@@ -251,7 +252,7 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
     do = count >= cfg.update_interval
 
     def learn(operand):
-      p, o, buf = operand
+      p, o, buf, _, _ = operand
       p, o, loss, bad = objectives.distill(
           learner, target_params, target_config, p, o, buf, cfg.distill,
           steps=cfg.update_steps, axis_name=axis_name)
@@ -259,12 +260,8 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
         buf = buf.cleared()
       return p, o, buf, loss, bad
 
-    def wait(operand):
-      p, o, buf = operand
-      return p, o, buf, jnp.float32(jnp.nan), jnp.int32(0)
-
-    p, o, buf, loss, bad = jax.lax.cond(do, learn, wait,
-                                        (take(params), take(opt_state), buf))
+    p, o, buf, loss, bad = when(do, learn, (take(params), take(opt_state), buf,
+                                            jnp.float32(jnp.nan), jnp.int32(0)))
     put = lambda tree, new, d=d: jax.tree.map(lambda x, n: x.at[d].set(n), tree, new)
     params, opt_state = put(params, p), put(opt_state, o)
     buffer = jax.tree.map(lambda x, n, d=d: x.at[0, d].set(n), buffer, buf)

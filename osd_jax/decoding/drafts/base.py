@@ -57,6 +57,10 @@ class Verified:
   emitted: jax.Array  # [B, k+1] c_{m+1}.. : accepted drafts, then y
   kept: jax.Array  # [B] tokens appended (0 for finished rows)
   start: jax.Array  # [B] m before the step
+  route: jax.Array | None = None  # [B] the draft serving the row (Context.route)
+  # [B] the proposal was this drafter's own (None: every row's); a copy that
+  # serves another category (MultiDraft) was fed its own draws instead.
+  own: jax.Array | None = None
 
   def narrowed(self, width: int) -> "Verified":
     """The first `width` positions (every row keeps at most that many)."""

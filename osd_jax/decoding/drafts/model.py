@@ -1,10 +1,11 @@
 """A small Llama (cut from the target, or a checkpoint) as the draft.
 
 Its state is its own KV cache, holding the committed tokens c_0..c_{m-1}.
-A proposal feeds c_m, then each draw; commit re-reads what verification
-kept (the target's own input [c_m, x_1..x_k]) from position m, so the cache
-is right whatever was proposed, or whether the draft proposed at all (the
-hybrid skips it when n-gram lookup covers every row). Rollback is a length.
+A proposal feeds c_m, then each draw, so its cache already holds what
+verification keeps unless all was accepted; commit re-reads the kept tokens
+(the target's own input [c_m, x_1..x_k]) from position m only when some row
+kept more than was fed, or the draft did not propose at all (the hybrid
+skips it when n-gram lookup covers every row). Rollback is a length.
 
 With a confidence threshold (Hugging Face's `assistant_confidence_threshold`)
 a row stops drafting after a token its draft gave less than that probability:
@@ -34,6 +35,7 @@ from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
+from osd_jax.when import when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +129,26 @@ class ModelDraft:
     return jnp.where(greedy[:, None, None], logits, hot)
 
   def commit(self, params, cache: KVCache, verified, window) -> KVCache:
-    """Re-reads the kept positions m..m+kept-1 (no head: only keys and values)."""
-    _, new = llama.forward(params, self.config, verified.tokens,
-                           cache.with_lengths(verified.start), window=window)
-    return new.with_lengths(verified.start + verified.kept)
+    """Keeps the kept positions m..m+kept-1, re-reading them (no head: only
+    keys and values) unless the proposal already cached them all.
+
+    A proposal feeds c_m, x_1, .. in turn, so after it positions m..length-1
+    hold the verified tokens' keys and values, if the row's proposal was the
+    draft's own. Most steps keep no more than was fed (only a fully accepted
+    proposal's bonus is new) and then cost no draft pass; a step where n-gram
+    lookup proposed for every row fed nothing.
+    """
+    fed = cache.lengths - verified.start
+    own = True if verified.own is None else verified.own
+    cached = own & (verified.kept <= fed)
+
+    def reread(cache):
+      _, new = llama.forward(params, self.config, verified.tokens,
+                             cache.with_lengths(verified.start), window=window)
+      return new
+
+    cache = when(~jnp.all(cached), reread, cache)
+    return cache.with_lengths(verified.start + verified.kept)
 
   def insert_row(self, cache: KVCache, row, one: KVCache) -> KVCache:
     return cache.insert_row(row, one)

@@ -60,8 +60,12 @@ class MultiDraft:
     return proposal, tuple(o[1] for o in outs)
 
   def commit(self, params, state, verified, window):
-    return tuple(self.base.commit(p, s, verified, window)
-                 for p, s in zip(params, state))
+    """Each copy commits every row; rows routed to another copy were fed
+    that copy's draws, not the proposal kept."""
+    route = verified.route
+    return tuple(self.base.commit(p, s, verified if self.num == 1 else
+                                  verified.replace(own=route == d), window)
+                 for d, (p, s) in enumerate(zip(params, state)))
 
   def insert_row(self, state, row, one):
     return tuple(self.base.insert_row(s, row, o) for s, o in zip(state, one))
