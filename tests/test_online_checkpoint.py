@@ -68,7 +68,7 @@ class Saves(Checkpointer):
 
 
 def run(directory, *, resume, queries=QUERIES, cfg=DRAFTS, stop_after=None,
-        config=None, pauses=()) -> dict:
+        config=None, pauses=(), every=EVERY) -> dict:
   """One driver run: final state (numpy; None if interrupted), records without
   timings, records emitted at each save and at each pause, and what it printed."""
   target, draft = tiny_pair()
@@ -89,7 +89,7 @@ def run(directory, *, resume, queries=QUERIES, cfg=DRAFTS, stop_after=None,
           target, draft, queries, cfg, num_slots=SLOTS,
           mesh=online.make_mesh(DEVICES), seed=0, chat=False,
           categories=CATEGORIES, checkpointer=checkpointer,
-          checkpoint_every=EVERY, on_request=on_request, pauses=pauses):
+          checkpoint_every=every, on_request=on_request, pauses=pauses):
         pieces.append(len(records))
       state = host(state)
   except Interrupt:
@@ -297,6 +297,13 @@ def test_a_paused_stream_resumes_exactly(paused):
   assert paused["first"]["records"] == paused["whole"]["records"][:PAUSED_INTERRUPT]
   assert paused["after"]["records"] == paused["whole"]["records"][at:]
   assert tree_equal(paused["after"]["state"], paused["whole"]["state"])
+
+
+def test_a_pause_is_not_a_save(tmp_path):
+  """Saves come every `checkpoint_every` requests and at the end, however
+  often the stream pauses (the main job pauses every 8 requests)."""
+  done = run(str(tmp_path / "run"), resume=False, pauses=(2, 4, 6, 8), every=0)
+  assert done["saved"] == [len(done["records"])]
 
 
 def test_a_paused_stream_stops_its_clock_while_paused(monkeypatch):
