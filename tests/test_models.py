@@ -82,15 +82,20 @@ def test_unstacked_layers_equal_scanned_layers():
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_decoding_layout_equals_stacked_params(name):
-  """for_decoding's unstacked layers and explicit (tied or cut) head: same logits."""
+  """for_decoding's unstacked layers, fused projections (or not) and explicit
+  (tied or cut) head: same logits."""
   config = CONFIGS[name]
   params = random_params(config, seed=4)
-  decoding = llama.for_decoding(params, config)
-  assert isinstance(decoding["layers"], list) and "lm_head" in decoding
+  fused = llama.for_decoding(params, config)
+  plain = llama.for_decoding(params, config, fuse=False)
+  assert {"wqkv", "w_gate_up"} <= set(fused["layers"][0]) and "wq" not in fused["layers"][0]
+  assert "wqkv" not in plain["layers"][0]
   tokens = random_tokens((2, 12), config.vocab_size, seed=4)
   full = full_logits(params, config, tokens)
-  assert_close(full_logits(decoding, config, tokens), full)
-  assert_close(chunked_logits(decoding, config, tokens, [5, 1, 6])[0], full)
+  for decoding in (fused, plain, llama.for_decoding(fused, config)):  # idempotent
+    assert isinstance(decoding["layers"], list) and "lm_head" in decoding
+    assert_close(full_logits(decoding, config, tokens), full)
+    assert_close(chunked_logits(decoding, config, tokens, [5, 1, 6])[0], full)
 
 
 def test_window_narrower_than_the_cache_changes_nothing():

@@ -105,9 +105,17 @@ def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
   b, t, _ = x.shape
   dtype = x.dtype
   h = rms_norm(x, layer["attn_norm"], config.rms_eps)
-  q = (h @ layer["wq"].astype(dtype)).reshape(b, t, config.num_heads, -1)
-  k = (h @ layer["wk"].astype(dtype)).reshape(b, t, config.num_kv_heads, -1)
-  v = (h @ layer["wv"].astype(dtype)).reshape(b, t, config.num_kv_heads, -1)
+  if "wqkv" in layer:  # the fused layout (see fuse_projections)
+    q_width = config.num_heads * config.head_dim
+    qkv = h @ layer["wqkv"].astype(dtype)
+    q, k, v = jnp.split(qkv, [q_width, q_width + config.num_kv_heads * config.head_dim],
+                        axis=-1)
+  else:
+    q = h @ layer["wq"].astype(dtype)
+    k, v = h @ layer["wk"].astype(dtype), h @ layer["wv"].astype(dtype)
+  q = q.reshape(b, t, config.num_heads, -1)
+  k = k.reshape(b, t, config.num_kv_heads, -1)
+  v = v.reshape(b, t, config.num_kv_heads, -1)
   return (apply_rope(q, positions_BxT, config.rope_theta),
           apply_rope(k, positions_BxT, config.rope_theta), v)
 
@@ -117,8 +125,11 @@ def block_output(config: LlamaConfig, layer, x, attn_BxTxHD):
   dtype = x.dtype
   x = x + attn_BxTxHD @ layer["wo"].astype(dtype)
   h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
-  gate = jax.nn.silu(h @ layer["w_gate"].astype(dtype))
-  return x + (gate * (h @ layer["w_up"].astype(dtype))) @ layer["w_down"].astype(dtype)
+  if "w_gate_up" in layer:
+    gate, up = jnp.split(h @ layer["w_gate_up"].astype(dtype), 2, axis=-1)
+  else:
+    gate, up = h @ layer["w_gate"].astype(dtype), h @ layer["w_up"].astype(dtype)
+  return x + (jax.nn.silu(gate) * up) @ layer["w_down"].astype(dtype)
 
 
 def decoder_layer(config: LlamaConfig, x, layer, positions_BxT, store, starts_B,
@@ -260,14 +271,34 @@ def unstack_layers(params: Params) -> Params:
   return dict(params, layers=_layer_list(params["layers"]))
 
 
-def for_decoding(params: Params, config: LlamaConfig) -> Params:
-  """The layout decoding runs fastest in: one dict per layer, an explicit head.
+def fuse_projections(layer: dict) -> dict:
+  """One layer with q|k|v and gate|up each as one kernel (vLLM's
+  QKVParallelLinear and MergedColumnParallelLinear): at one token per row a
+  matmul reads its kernel once, and on CPU one wide kernel reads faster than
+  three or two narrow ones (a 30-layer stack: 16.1 vs 18.5 ms a token).
+  Idempotent."""
+  if "wq" not in layer:
+    return layer
+  fused = {name: w for name, w in layer.items()
+           if name not in ("wq", "wk", "wv", "w_gate", "w_up")}
+  fused["wqkv"] = jnp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=-1)
+  fused["w_gate_up"] = jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
+  return fused
+
+
+def for_decoding(params: Params, config: LlamaConfig, *, fuse: bool = True) -> Params:
+  """The layout decoding runs fastest in: one dict per layer, fused
+  projections, an explicit head.
 
   A tied head is materialised as its own [D, V] kernel: read through the
   embedding's transpose, XLA on CPU copies the whole embedding every step.
-  Call it once per compiled program, outside any decode loop.
+  Call it once per compiled program, outside any decode loop, for frozen
+  weights: fusing copies every kernel, so a draft that learns, laid out
+  inside the compiled step, passes fuse=False.
   """
   params = unstack_layers(params)
+  if fuse:
+    params["layers"] = [fuse_projections(layer) for layer in params["layers"]]
   if config.tie_embeddings and "lm_head" not in params:
     params["lm_head"] = params["embed"].T
   return params

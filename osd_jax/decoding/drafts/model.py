@@ -59,7 +59,7 @@ class ModelDraft:
                        f" got {self.confidence_threshold}.")
 
   def prepare(self, params, target_params=None):
-    return llama.for_decoding(params, self.config)
+    return llama.for_decoding(params, self.config, fuse=False)
 
   def init_state(self, batch_size: int, cache_size: int) -> KVCache:
     return self.config.init_cache(batch_size, cache_size)
