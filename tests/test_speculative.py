@@ -428,9 +428,9 @@ def test_caches_after_rejection_equal_fresh_prefill(target, trajectory):
     lengths = np.array([len(c) for c in committed])
     np.testing.assert_array_equal(after.target_cache.lengths, lengths)
     checks = [(target, after.target_cache, lengths)]
-    if isinstance(after.draft, KVCache):  # commit re-read every kept token
-      np.testing.assert_array_equal(after.draft.lengths, lengths)
-      checks.append((draft, after.draft, lengths))
+    if isinstance(after.draft, KVCache):  # a prefix: the next proposal catches up
+      assert np.all(np.asarray(after.draft.lengths) <= lengths)
+      checks.append((draft, after.draft, np.asarray(after.draft.lengths)))
     for model, cache, valid in checks:
       _, fresh = prefill_jit(model.params, model.config, pad(committed, CACHE),
                              jnp.asarray(lengths),
@@ -516,77 +516,73 @@ def test_a_trimmed_verification_scores_only_what_was_proposed(target, needed):
       np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
-@pytest.mark.parametrize("needed", [1, 2, 4])
-def test_a_trimmed_commit_caches_what_the_full_commit_does(target, needed):
-  """The draft re-reads only the first `needed` verified positions: rows
-  keeping up to that many get the same lengths and cached entries as a
-  commit at full width (a wrong width would leave later proposals reading
-  stale keys, which greedy equality alone would not catch)."""
+@pytest.mark.parametrize("lags", [(0, 0), (1, 0), (3, 5), (4, 11), (12, 2)])
+def test_a_proposal_catches_up_on_what_its_cache_lacks(target, lags):
+  """A draft cache lagging the committed tokens by any amount (steps where
+  lookup proposed alone, a fully accepted proposal's last draw) is fed the
+  rest before drawing: its first draw's logits and its cache equal a fresh
+  prefill of c_0..c_m, for lags shorter and longer than one pass (k + 1)."""
   draft = draft_lib.derive(target, [0, 1])
   drafter = ModelDraft(draft.config)
   params = llama.for_decoding(draft.params, draft.config)
-  cache = draft.config.init_cache(2, CACHE).with_lengths(jnp.zeros((2,), jnp.int32))
-  cache = llama.forward(params, draft.config, jnp.asarray([[1, 2, 3], [2, 3, 4]]),
-                        cache)[1]
-  tokens = jnp.asarray([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]], jnp.int32)
-  kept = jnp.asarray([needed, max(needed - 1, 0)], jnp.int32)
-  verified = Verified(jnp.zeros((2, 5, draft.config.hidden_dim)), tokens,
-                      jnp.roll(tokens, -1, axis=1), kept, jnp.asarray([3, 3], jnp.int32))
-  commit = jax.jit(speculative.commit_pass, static_argnums=(0, 4, 5))
-  full = commit(drafter, params, cache, verified, None, (5,), 5)
-  ours = commit(drafter, params, cache, verified, None, speculative.verify_widths(4),
-                needed)
-  np.testing.assert_array_equal(ours.lengths, 3 + kept)
-  np.testing.assert_array_equal(full.lengths, 3 + kept)
+  seqs = [[(7 * i + 3 * r) % VOCAB for i in range(20 + r)] for r in range(2)]
+  m = np.array([len(q) - 1 for q in seqs])  # c_m is the last token
+  held = [max(int(mi) - lag, 0) for mi, lag in zip(m, lags)]
+  cache = draft.config.init_cache(2, CACHE)
+  _, cache = prefill_jit(params, draft.config, pad([q[:h] for q, h in zip(seqs, held)],
+                                                    32), jnp.asarray(held), cache)
+  ctx = Context(pad(seqs, CACHE), jnp.asarray(m, jnp.int32), jnp.zeros((2,), jnp.int32))
+  catch_up = jax.jit(drafter.catch_up, static_argnums=(3, 4))
+  logits, caught = catch_up(params, cache, ctx, K + 1, None)
+  np.testing.assert_array_equal(caught.lengths, m + 1)
+  fresh_logits, fresh = prefill_jit(params, draft.config, pad(seqs, 32),
+                                    jnp.asarray(m + 1), draft.config.init_cache(2, CACHE))
   for row in range(2):
-    for a, b in zip(ours.valid_entries(row, 3 + int(kept[row])),
-                    full.valid_entries(row, 3 + int(kept[row]))):
-      np.testing.assert_allclose(a, b, atol=1e-5)
-  # It did read: the kept entries differ from the cache before the commit.
-  assert not np.allclose(ours.valid_entries(0, 3 + needed)[0],
-                         cache.valid_entries(0, 3 + needed)[0])
+    for got, want in zip(caught.valid_entries(row, int(m[row]) + 1),
+                         fresh.valid_entries(row, int(m[row]) + 1)):
+      np.testing.assert_allclose(got, want, atol=1e-5)
+  full, _ = apply(params, draft.config, pad(seqs, 32))
+  np.testing.assert_allclose(logits, full[np.arange(2), m], atol=1e-4)
+  # A proposal begins there: the same first draw, k draws in all.
+  proposal, after = jax.jit(drafter.propose, static_argnums=(4, 5, 6))(
+      params, cache, ctx, speculative.row_keys(jax.random.key(1), 2), K, GREEDY, None)
+  np.testing.assert_array_equal(proposal.tokens[:, 0], np.argmax(logits, axis=-1))
+  np.testing.assert_array_equal(after.lengths, m + K)
 
 
-def test_a_commit_reads_only_what_the_proposal_did_not_cache(target):
+def test_a_commit_reads_nothing_and_keeps_what_the_proposal_fed(target):
   """After its own proposal the draft's cache holds c_m, x_1, .. : a commit
-  keeping no more than that re-reads nothing (the entries the proposal
-  planted stay, bit for bit); keeping more, or a proposal that was another
-  copy's (MultiDraft), re-reads the kept tokens."""
+  keeps min(kept, fed) of them, bit for bit, reading nothing; a copy that did
+  not serve the row (MultiDraft) keeps only c_m; a step that fed nothing
+  (lookup alone) keeps the cache as it was."""
   draft = draft_lib.derive(target, [0, 1])
   drafter = ModelDraft(draft.config)
   params = llama.for_decoding(draft.params, draft.config)
   start = jnp.asarray([3], jnp.int32)
   cache = draft.config.init_cache(1, CACHE).with_lengths(jnp.zeros((1,), jnp.int32))
   cache = llama.forward(params, draft.config, jnp.asarray([[1, 2, 3]]), cache)[1]
-  # The proposal fed c_m = 3 and a draw 6; verification read [3, 5, 7, ..].
-  planted = llama.forward(params, draft.config, jnp.asarray([[3, 6]]), cache)[1]
-  tokens = jnp.asarray([[3, 5, 7, 9, 11]], jnp.int32)
-  read = llama.forward(params, draft.config, tokens[:, :3], cache)[1]
+  # The proposal fed c_m = 5 and a draw 6; verification read [5, 6, 7, ..].
+  planted = llama.forward(params, draft.config, jnp.asarray([[5, 6]]), cache)[1]
+  tokens = jnp.asarray([[5, 6, 7, 9, 11]], jnp.int32)
 
   def verified(kept, own=None):
     return Verified(jnp.zeros((1, 5, draft.config.hidden_dim)), tokens, tokens,
                     jnp.asarray([kept], jnp.int32), start, jnp.zeros((1,), jnp.int32),
                     own)
 
-  def commit(kept, own=None):
-    out = jax.jit(drafter.commit)(params, planted, verified(kept, own), None)
-    np.testing.assert_array_equal(out.lengths, 3 + kept)
-    return out.valid_entries(0, 3 + kept)
-
-  for got, want in zip(commit(2), planted.valid_entries(0, 5)):
-    np.testing.assert_array_equal(got, want)
-  for got, want in zip(commit(2, own=jnp.asarray([False])), read.valid_entries(0, 5)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
-  for got, want in zip(commit(3), read.valid_entries(0, 6)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
-  assert not np.allclose(planted.valid_entries(0, 5)[0], read.valid_entries(0, 5)[0])
-  # Per-category copies: the row is served by copy 0; copy 1 was fed its own draws.
+  commit = jax.jit(drafter.commit)
+  for kept, own, cached, source in [(1, None, 4, planted), (2, None, 5, planted),
+                                    (4, None, 5, planted),
+                                    (2, jnp.asarray([False]), 4, planted),
+                                    (3, None, 3, cache)]:
+    out = commit(params, source, verified(kept, own), None)
+    np.testing.assert_array_equal(out.lengths, [cached])
+    for got, want in zip(out.k + out.v, source.k + source.v):
+      np.testing.assert_array_equal(got, want)  # nothing was read or written
   ours, other = MultiDraft(drafter, 2).commit((params, params), (planted, planted),
                                               verified(2), None)
-  for got, want in zip(ours.valid_entries(0, 5), planted.valid_entries(0, 5)):
-    np.testing.assert_array_equal(got, want)
-  for got, want in zip(other.valid_entries(0, 5), read.valid_entries(0, 5)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_array_equal(ours.lengths, [5])
+  np.testing.assert_array_equal(other.lengths, [4])
 
 
 # --- the real model -----------------------------------------------------------

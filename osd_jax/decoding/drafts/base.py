@@ -85,6 +85,7 @@ class Drafter(Protocol):
   """What speculate_and_verify needs from a draft of any kind."""
 
   needs_hidden: bool  # reads the target's hidden states (buffers keep them)
+  commit_reads: bool  # commit runs the draft on the kept tokens (a pass to trim)
 
   def prepare(self, params, target_params=None):
     """Parameters in the layout decoding runs fastest in, bound to any target
@@ -167,6 +168,7 @@ class NoDraft:
 
   vocab_size: int
   needs_hidden: bool = False
+  commit_reads = False  # a class attribute, not a field
 
   def prepare(self, params, target_params=None):
     return params

@@ -38,6 +38,7 @@ class FeatureDraft:
   rollout: int = 4  # draft steps trained per position (>= the k served)
   feature_weight: float = 0.1  # smooth-L1 on predicted features, beside the KL
   needs_hidden: bool = True
+  commit_reads = True  # a class attribute, not a field
 
   @property
   def vocab_size(self) -> int:

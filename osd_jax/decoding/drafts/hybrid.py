@@ -26,6 +26,10 @@ class HybridDraft:
   def needs_hidden(self) -> bool:
     return self.base.needs_hidden
 
+  @property
+  def commit_reads(self) -> bool:
+    return self.base.commit_reads
+
   def prepare(self, params, target_params=None):
     return self.base.prepare(params, target_params)
 
@@ -37,8 +41,8 @@ class HybridDraft:
 
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
-    """When lookup covers every row the base draft is skipped: its commit
-    re-reads the kept tokens anyway, so its state stays right."""
+    """When lookup covers every row the base draft is skipped: its state
+    then lags the committed tokens, and its next proposal catches up."""
     tokens, counts = self.ngram.lookup(ctx, k)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
                                     counts), state)

@@ -1,11 +1,14 @@
 """A small Llama (cut from the target, or a checkpoint) as the draft.
 
-Its state is its own KV cache, holding the committed tokens c_0..c_{m-1}.
-A proposal feeds c_m, then each draw, so its cache already holds what
-verification keeps unless all was accepted; commit re-reads the kept tokens
-(the target's own input [c_m, x_1..x_k]) from position m only when some row
-kept more than was fed, or the draft did not propose at all (the hybrid
-skips it when n-gram lookup covers every row). Rollback is a length.
+Its state is its own KV cache, holding a prefix c_0..c_{L-1} of the
+committed tokens, L <= m: commit never reads anything, it only cuts the
+cache back to what verification kept of what the proposal fed (c_m, then
+each draw). A proposal first catches up, feeding c_L..c_m in one pass (the
+kept tokens its last proposal did not feed, every token of the steps the
+hybrid's lookup proposed alone, then c_m), and draws from the logits after
+c_m; at L = m that is the one-token pass a proposal always began with.
+The hybrid's lookup steps thus cost no draft pass at all, and a fully
+accepted proposal's last draw is read with the next proposal's first.
 
 With a confidence threshold (Hugging Face's `assistant_confidence_threshold`)
 a row stops drafting after a token its draft gave less than that probability:
@@ -35,7 +38,6 @@ from osd_jax.decoding.sampling import Sampling
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
-from osd_jax.when import when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ModelDraft:
 
   config: LlamaConfig
   needs_hidden: bool = False
+  commit_reads = False  # a class attribute, not a field
   # Stop a row's proposal after a draw of lower probability (0: always k).
   confidence_threshold: float = 0.0
   # Propose only the draws at or above the threshold (not the one below it).
@@ -75,43 +78,91 @@ class ModelDraft:
               sampling: Sampling, window, forced: Forced | None = None):
     """k draws, each fed back (or the forced token, for the hybrid's rows)."""
     pick = token_picker(rng_B, k, sampling, forced)
-    cache = cache.with_lengths(ctx.lengths)
+    first_logits, cache = self.catch_up(params, cache, ctx, k + 1, window)
 
     def draw(i, token, cache):
       logits, cache = llama.apply(params, self.config, token[:, None], cache,
                                   window=window)
       return pick(i, logits[:, 0]), logits[:, 0], cache
 
+    first = pick(0, first_logits)
     if self.confidence_threshold:
-      proposal, cache = self._draw_while_confident(draw, ctx.last_token, cache, k,
-                                                   sampling, forced)
+      proposal, cache = self._draw_while_confident(draw, first, first_logits, cache,
+                                                   k, sampling, forced)
     else:
       def step(carry, i):
         nxt, logits, cache = draw(i, *carry)
         return (nxt, cache), (nxt, logits)
 
       (_, cache), (tokens, logits) = jax.lax.scan(
-          step, (ctx.last_token, cache), jnp.arange(k))
-      proposal = Proposal(tokens.T, jnp.swapaxes(logits, 0, 1),
-                          jnp.full(ctx.lengths.shape, k, jnp.int32))
+          step, (first, cache), jnp.arange(1, k))
+      tokens = jnp.concatenate([first[:, None], tokens.T], axis=1)
+      logits = jnp.concatenate([first_logits[:, None], jnp.swapaxes(logits, 0, 1)],
+                               axis=1)
+      proposal = Proposal(tokens, logits, jnp.full(ctx.lengths.shape, k, jnp.int32))
     return apply_forced(proposal, forced, self.config.vocab_size), cache
 
-  def _draw_while_confident(self, draw, token, cache, k: int, sampling, forced):
+  def catch_up(self, params, cache: KVCache, ctx: Context, chunk: int, window):
+    """Feeds c_L..c_m: (logits after c_m [B, V], the cache holding c_0..c_m).
+
+    Lags longer than `chunk` (k + 1) first advance `chunk` tokens a pass.
+    The last pass runs at the smallest width holding every row's rest (one
+    branch per width, as verification). Every row reads from its own L, so
+    each entry is computed once, whatever the other rows need; a row with a
+    shorter rest also reads tokens past c_m, whose entries lie beyond its
+    length and at most k past c_m, where verification writes anyway. The
+    branches only read the cache (llama.score): it is written after them.
+    """
+    m = ctx.lengths
+
+    def feed(cache, width):
+      idx = cache.lengths[:, None] + jnp.arange(width)[None, :]
+      return jnp.take_along_axis(ctx.tokens, jnp.minimum(idx, ctx.tokens.shape[1] - 1),
+                                 axis=1)
+
+    def advance(cache):  # rows with more than `chunk` to go move `chunk` on
+      far = m + 1 - cache.lengths > chunk
+      _, fed = llama.forward(params, self.config, feed(cache, chunk), cache,
+                             window=window)
+      return fed.with_lengths(jnp.where(far, cache.lengths + chunk, cache.lengths))
+
+    cache = jax.lax.while_loop(lambda c: jnp.any(m + 1 - c.lengths > chunk), advance,
+                               cache)
+    rest = m + 1 - cache.lengths
+
+    def at_width(w):
+      hidden, new = llama.score(params, self.config, feed(cache, w), cache,
+                                window=window)
+      last = jnp.take_along_axis(hidden, (rest - 1)[:, None, None], axis=1)
+      return last, new.padded_to(chunk)
+
+    last, new = _smallest_width(chunk, jnp.max(rest), at_width)
+    cache = cache.append(new, starts_B=cache.lengths).with_lengths(m + 1)
+    return llama.logits(params, self.config, last)[:, 0], cache
+
+  def _draw_while_confident(self, draw, first, first_logits, cache, k: int,
+                            sampling, forced):
     """Up to k draws; the loop ends when no row is still confident."""
-    b = token.shape[0]
+    b = first.shape[0]
     going = jnp.ones((b,), bool) if forced is None else ~forced.is_forced
-    init = (jnp.int32(0), token, cache, jnp.zeros((b, k), jnp.int32),
-            jnp.zeros((b, k, self.config.vocab_size), jnp.float32),
-            jnp.zeros((b,), jnp.int32), going)
+
+    def record(i, nxt, step_logits, tokens, logits, counts, going):
+      q_x = jnp.take_along_axis(sampling.probs(step_logits), nxt[:, None], axis=1)[:, 0]
+      confident = q_x >= self.confidence_threshold
+      proposed = going & confident if self.stop_before_unconfident else going
+      return (tokens.at[:, i].set(nxt), logits.at[:, i].set(step_logits),
+              counts + proposed, going & confident)
+
+    init = (jnp.int32(1), first, cache) + record(
+        0, first, first_logits, jnp.zeros((b, k), jnp.int32),
+        jnp.zeros((b, k, self.config.vocab_size), jnp.float32),
+        jnp.zeros((b,), jnp.int32), going)
 
     def body(carry):
       i, token, cache, tokens, logits, counts, going = carry
       nxt, step_logits, cache = draw(i, token, cache)
-      q_x = jnp.take_along_axis(sampling.probs(step_logits), nxt[:, None], axis=1)[:, 0]
-      confident = q_x >= self.confidence_threshold
-      proposed = going & confident if self.stop_before_unconfident else going
-      return (i + 1, nxt, cache, tokens.at[:, i].set(nxt),
-              logits.at[:, i].set(step_logits), counts + proposed, going & confident)
+      return (i + 1, nxt, cache) + record(i, nxt, step_logits, tokens, logits, counts,
+                                          going)
 
     _, _, cache, tokens, logits, counts, _ = jax.lax.while_loop(
         lambda c: (c[0] < k) & c[-1].any(), body, init)
@@ -129,29 +180,28 @@ class ModelDraft:
     return jnp.where(greedy[:, None, None], logits, hot)
 
   def commit(self, params, cache: KVCache, verified, window) -> KVCache:
-    """Keeps the kept positions m..m+kept-1, re-reading them (no head: only
-    keys and values) unless the proposal already cached them all.
+    """Keeps what the proposal fed of the kept positions m..m+kept-1; reads
+    nothing (the next proposal catches up on the rest).
 
-    A proposal feeds c_m, x_1, .. in turn, so after it positions m..length-1
-    hold the verified tokens' keys and values, if the row's proposal was the
-    draft's own. Most steps keep no more than was fed (only a fully accepted
-    proposal's bonus is new) and then cost no draft pass; a step where n-gram
-    lookup proposed for every row fed nothing.
+    After its own proposal the cache holds c_m, x_1, .. from position m, so
+    it keeps min(kept, fed) of them. A step the draft did not run (lookup
+    proposed for every row) fed nothing and the cache stays as it was; a
+    per-category copy that did not serve the row (MultiDraft) fed its own
+    draws, so only c_m holds.
     """
-    fed = cache.lengths - verified.start
     own = True if verified.own is None else verified.own
-    cached = own & (verified.kept <= fed)
-
-    def reread(cache):
-      _, new = llama.forward(params, self.config, verified.tokens,
-                             cache.with_lengths(verified.start), window=window)
-      return new
-
-    cache = when(~jnp.all(cached), reread, cache)
-    return cache.with_lengths(verified.start + verified.kept)
+    valid = verified.start + jnp.where(own, verified.kept,
+                                       jnp.minimum(verified.kept, 1))
+    return cache.with_lengths(jnp.minimum(cache.lengths, valid))
 
   def insert_row(self, cache: KVCache, row, one: KVCache) -> KVCache:
     return cache.insert_row(row, one)
 
   def at_full_width(self):
     return dataclasses.replace(self, stop_before_unconfident=False)
+
+
+def _smallest_width(widest: int, needed, at_width):
+  """at_width(w) for the smallest w in 1..widest holding `needed`."""
+  index = jnp.clip(needed, 1, widest) - 1
+  return jax.lax.switch(index, [lambda w=w: at_width(w) for w in range(1, widest + 1)])

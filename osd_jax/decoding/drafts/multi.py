@@ -38,6 +38,10 @@ class MultiDraft:
   def needs_hidden(self) -> bool:
     return self.base.needs_hidden
 
+  @property
+  def commit_reads(self) -> bool:
+    return self.base.commit_reads
+
   def _each(self, params) -> list:
     return [jax.tree.map(lambda x, d=d: x[d], params) for d in range(self.num)]
 

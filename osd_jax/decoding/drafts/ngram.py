@@ -58,6 +58,7 @@ class NGramDraft:
   min_ngram: int = 1
   cap_at_match: bool = False  # propose at most n tokens after an n-gram match
   needs_hidden: bool = False
+  commit_reads = False  # a class attribute, not a field
 
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:
