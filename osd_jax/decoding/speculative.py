@@ -19,6 +19,7 @@ from osd_jax.decoding import sampling as sampling_lib
 from osd_jax.decoding.drafts.base import Context, Proposal, Verified
 from osd_jax.decoding.prefill import prefill_hidden
 from osd_jax.decoding.sampling import RowSampling, Sampling
+from osd_jax.decoding.widths import at_smallest_width
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
@@ -227,17 +228,8 @@ def verify_pass(target_params, target_config: LlamaConfig, verify_BxT,
     pad = lambda x: jnp.pad(x, ((0, 0), (0, full - w), (0, 0)))
     return pad(hidden), pad(logits), new.padded_to(full)
 
-  hidden, logits, new = _at_smallest_width(widths, needed, at_width)
+  hidden, logits, new = at_smallest_width(widths, needed, at_width)
   return hidden, logits, cache.append(new, starts_B=cache.lengths)
-
-
-def _at_smallest_width(widths: tuple[int, ...], needed, at_width):
-  """at_width(w) for the smallest of `widths` that holds `needed` (the
-  largest if none does): one branch per width under lax.switch."""
-  if len(widths) == 1:
-    return at_width(widths[0])
-  index = jnp.minimum(jnp.searchsorted(jnp.array(widths), needed), len(widths) - 1)
-  return jax.lax.switch(index, [functools.partial(at_width, w) for w in widths])
 
 
 def commit_pass(drafter, draft_params, draft, verified: Verified, window,
@@ -250,7 +242,7 @@ def commit_pass(drafter, draft_params, draft, verified: Verified, window,
   model draft's: `commit_reads` False) takes no branch."""
   if len(widths) == 1 or not drafter.commit_reads:  # nothing to narrow
     return drafter.commit(draft_params, draft, verified, window)
-  return _at_smallest_width(widths, needed, lambda w: drafter.commit(
+  return at_smallest_width(widths, needed, lambda w: drafter.commit(
       draft_params, draft, verified.narrowed(w), window))
 
 

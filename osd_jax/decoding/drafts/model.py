@@ -35,6 +35,7 @@ from osd_jax.decoding.drafts.base import (Context, Forced, Proposal, apply_force
                                           one_hot_logits, token_picker)
 from osd_jax.decoding.prefill import prefill as prefill_model
 from osd_jax.decoding.sampling import Sampling
+from osd_jax.decoding.widths import at_smallest_width
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
@@ -136,7 +137,7 @@ class ModelDraft:
       last = jnp.take_along_axis(hidden, (rest - 1)[:, None, None], axis=1)
       return last, new.padded_to(chunk)
 
-    last, new = _smallest_width(chunk, jnp.max(rest), at_width)
+    last, new = at_smallest_width(tuple(range(1, chunk + 1)), jnp.max(rest), at_width)
     cache = cache.append(new, starts_B=cache.lengths).with_lengths(m + 1)
     return llama.logits(params, self.config, last)[:, 0], cache
 
@@ -200,8 +201,3 @@ class ModelDraft:
   def at_full_width(self):
     return dataclasses.replace(self, stop_before_unconfident=False)
 
-
-def _smallest_width(widest: int, needed, at_width):
-  """at_width(w) for the smallest w in 1..widest holding `needed`."""
-  index = jnp.clip(needed, 1, widest) - 1
-  return jax.lax.switch(index, [lambda w=w: at_width(w) for w in range(1, widest + 1)])
