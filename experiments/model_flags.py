@@ -53,6 +53,17 @@ NGRAM_MIN = flags.DEFINE_integer(
     "ngram_min", 2, "Shortest suffix n-gram looked up (a 1-gram match copies"
     " tokens the target mostly rejects: 0.4-0.5 accepted of 4 on the shift"
     " stream).")
+NGRAM_HISTORY = flags.DEFINE_integer(
+    "ngram_history", 0,
+    "Where the sequence itself has no n-gram match, look up in the last N"
+    " requests the slot served, prompts and outputs (SuffixDecoding's idea):"
+    " the lookup adapts to the traffic with no training. Each slot keeps N x"
+    " the slot's positions of tokens, searched every step; 0 = prompt lookup"
+    " only.", lower_bound=0)
+NGRAM_HISTORY_MIN = flags.DEFINE_integer(
+    "ngram_history_min", 3,
+    "Shortest n-gram looked up in earlier requests (--ngram_history).",
+    lower_bound=1)
 NGRAM_CAP = flags.DEFINE_bool(
     "ngram_cap_at_match", True,
     "After an n-gram match propose at most n tokens, not k. Only in calls whose"
@@ -74,12 +85,14 @@ def serve_with_the_best_draft() -> None:
   picked (README, "Every draft kind"). The derived draft, warm-started on chat
   text, behind n-gram lookup wherever the context has a match; it proposes
   only draws it gave at least 0.7, so where lookup finds nothing a step often
-  proposes nothing and verification (trimmed) costs one target step. Call at
+  proposes nothing and verification (trimmed) costs one target step. Lookup
+  also searches the last 64 requests each slot served. Call at
   import time, before flags parse."""
   flags.set_default(HYBRID, True)
   flags.set_default(WARM_START, "chat")
   flags.set_default(DRAFT_CONFIDENCE, 0.7)
   flags.set_default(DRAFT_STOP_BEFORE, True)
+  flags.set_default(NGRAM_HISTORY, 64)
 
 
 def warn_if_slow_dtype() -> None:
@@ -117,12 +130,15 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   kind = kind or DRAFT.value
   hybrid = HYBRID.value if hybrid is None else hybrid
   lookup = drafts.NGramDraft(target.config.vocab_size, NGRAM_MAX.value,
-                             NGRAM_MIN.value, NGRAM_CAP.value)
+                             NGRAM_MIN.value, NGRAM_CAP.value, NGRAM_HISTORY.value,
+                             NGRAM_HISTORY_MIN.value)
   if kind == "ngram":
     if hybrid:
       raise ValueError("--hybrid needs a learned draft, not --draft=ngram.")
     return drafts.Draft(lookup, (), f"ngram {NGRAM_MIN.value}..{NGRAM_MAX.value}"
-                        + (", capped at the match" if NGRAM_CAP.value else ""))
+                        + (", capped at the match" if NGRAM_CAP.value else "")
+                        + (f", in the last {NGRAM_HISTORY.value} requests too"
+                           if NGRAM_HISTORY.value else ""))
   if kind == "eagle":
     head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
             if DRAFT_HEAD_VOCAB.value else None)
@@ -151,7 +167,9 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
         stop_before_unconfident=stop_before))
   if hybrid:
     return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
-                        f"{draft.source} + ngram")
+                        f"{draft.source} + ngram"
+                        + (f" (and {NGRAM_HISTORY.value} served requests)"
+                           if NGRAM_HISTORY.value else ""))
   return draft
 
 

@@ -375,7 +375,10 @@ def test_target_only_server_answers_as_the_engine(tiny, tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2, tmp_path_factory):
   root = tmp_path_factory.mktemp("real_server")
-  flags = ["--nolearn", "--warm_start=none", "--k=2", "--cache_size=64", "--max_tokens=16",
+  # No lookup in served requests either: the seeded sample below must see
+  # the same proposals twice.
+  flags = ["--nolearn", "--ngram_history=0", "--warm_start=none", "--k=2",
+           "--cache_size=64", "--max_tokens=16",
            "--steps_per_call=2", "--slots=2", "--devices=1", "--served_model_name=smollm2"]
   server = ServerProcess(flags, str(root / "server.log"))
   try:

@@ -135,10 +135,14 @@ def insert_into(target_params, draft_params, state: SpecState, prompt_1xP,
 
   Nothing of the slot's previous request survives: caches, tokens, counters,
   metrics and sampling settings are all overwritten (stale cache positions
-  lie past the new length and are never read). `sampling` (one row) is the
+  lie past the new length and are never read). Only a drafter that looks up
+  served requests keeps the previous one, in its history. `sampling` (one row) is the
   request's own, read when cfg.sampling is None.
   """
   width = prompt_1xP.shape[1]
+  # The request leaving the slot, c_0..c_m (none if the slot never served).
+  leaving = (state.tokens[slot], jnp.where(state.prompt_lens[slot] > 0,
+                                           state.lengths[slot] + 1, 0))
   one, hidden = speculative.start(
       target_params, draft_params, prompt_1xP, prompt_len[None], budget[None],
       key[None], target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
@@ -146,7 +150,7 @@ def insert_into(target_params, draft_params, state: SpecState, prompt_1xP,
   row = jnp.zeros((cfg.cache_size,), jnp.int32).at[:width].set(prompt_1xP[0])
   state = state.replace(
       target_cache=state.target_cache.insert_row(slot, one.target_cache),
-      draft=cfg.drafter.insert_row(state.draft, slot, one.draft),
+      draft=cfg.drafter.insert_row(state.draft, slot, one.draft, leaving),
       tokens=state.tokens.at[slot].set(row),
       prompt_lens=state.prompt_lens.at[slot].set(prompt_len),
       budget=state.budget.at[slot].set(budget),

@@ -108,8 +108,11 @@ class Drafter(Protocol):
              window: int | None) -> Any:
     """State after verification kept `verified.kept` tokens per row."""
 
-  def insert_row(self, state, row: jax.Array, one) -> Any:
-    """`state` with row `row` replaced by a one-row state (a new request)."""
+  def insert_row(self, state, row: jax.Array, one, leaving=None) -> Any:
+    """`state` with row `row` replaced by a one-row state (a new request).
+
+    `leaving` is the request the row served before, (tokens [S], length []),
+    length 0 if none: a drafter that learns from served traffic keeps it."""
 
   def at_full_width(self) -> "Drafter":
     """The drafter for steps that verify all k + 1 positions: options that
@@ -190,7 +193,7 @@ class NoDraft:
   def commit(self, params, state, verified, window):
     return state
 
-  def insert_row(self, state, row, one):
+  def insert_row(self, state, row, one, leaving=None):
     return state
 
   def at_full_width(self):

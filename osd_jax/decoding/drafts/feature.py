@@ -105,7 +105,8 @@ class FeatureDraft:
                                      state.cache.lengths)),
         jnp.where(moved[:, None], feature, state.feature))
 
-  def insert_row(self, state: FeatureState, row, one: FeatureState) -> FeatureState:
+  def insert_row(self, state: FeatureState, row, one: FeatureState,
+                 leaving=None) -> FeatureState:
     return FeatureState(state.cache.insert_row(row, one.cache),
                         state.feature.at[row].set(one.feature[0]))
 

@@ -3,6 +3,7 @@
 Code and SQL answers copy names from their prompts; where lookup finds
 nothing the learned draft proposes instead. The base drafter is fed the
 chosen tokens, so its proposal is consistent with what was proposed.
+A lookup with a history keeps its ring beside the base's state.
 """
 
 import dataclasses
@@ -33,28 +34,43 @@ class HybridDraft:
   def prepare(self, params, target_params=None):
     return self.base.prepare(params, target_params)
 
+  def _split(self, state):
+    """(the base's state, the lookup's): the lookup has one only with a history."""
+    return state if self.ngram.history else (state, ())
+
+  def _join(self, base, lookup):
+    return (base, lookup) if self.ngram.history else base
+
   def init_state(self, batch_size, cache_size):
-    return self.base.init_state(batch_size, cache_size)
+    return self._join(self.base.init_state(batch_size, cache_size),
+                      self.ngram.init_state(batch_size, cache_size))
 
   def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD=None):
-    return self.base.prefill(params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD)
+    base, lookup = self._split(state)
+    return self._join(self.base.prefill(params, base, prompts_BxP, prompt_lens_B,
+                                        hidden_BxPxD), lookup)
 
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
     """When lookup covers every row the base draft is skipped: its state
     then lags the committed tokens, and its next proposal catches up."""
-    tokens, counts = self.ngram.lookup(ctx, k)
+    base, lookup = self._split(state)
+    tokens, counts = self.ngram.lookup(ctx, k, lookup if self.ngram.history else None)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
-                                    counts), state)
-    with_base = lambda: self.base.propose(params, state, ctx, rng_B, k, sampling,
+                                    counts), base)
+    with_base = lambda: self.base.propose(params, base, ctx, rng_B, k, sampling,
                                           window, forced=Forced(tokens, counts))
-    return jax.lax.cond(jnp.all(counts > 0), lookup_only, with_base)
+    proposal, base = jax.lax.cond(jnp.all(counts > 0), lookup_only, with_base)
+    return proposal, self._join(base, lookup)
 
   def commit(self, params, state, verified, window):
-    return self.base.commit(params, state, verified, window)
+    base, lookup = self._split(state)
+    return self._join(self.base.commit(params, base, verified, window), lookup)
 
-  def insert_row(self, state, row, one):
-    return self.base.insert_row(state, row, one)
+  def insert_row(self, state, row, one, leaving=None):
+    (base, lookup), (one_base, one_lookup) = self._split(state), self._split(one)
+    return self._join(self.base.insert_row(base, row, one_base, leaving),
+                      self.ngram.insert_row(lookup, row, one_lookup, leaving))
 
   def at_full_width(self):
     return HybridDraft(self.base.at_full_width(), self.ngram.at_full_width())

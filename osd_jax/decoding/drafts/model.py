@@ -195,7 +195,7 @@ class ModelDraft:
                                        jnp.minimum(verified.kept, 1))
     return cache.with_lengths(jnp.minimum(cache.lengths, valid))
 
-  def insert_row(self, cache: KVCache, row, one: KVCache) -> KVCache:
+  def insert_row(self, cache: KVCache, row, one: KVCache, leaving=None) -> KVCache:
     return cache.insert_row(row, one)
 
   def at_full_width(self):

@@ -71,8 +71,8 @@ class MultiDraft:
                                   verified.replace(own=route == d), window)
                  for d, (p, s) in enumerate(zip(params, state)))
 
-  def insert_row(self, state, row, one):
-    return tuple(self.base.insert_row(s, row, o) for s, o in zip(state, one))
+  def insert_row(self, state, row, one, leaving=None):
+    return tuple(self.base.insert_row(s, row, o, leaving) for s, o in zip(state, one))
 
   def at_full_width(self):
     return dataclasses.replace(self, base=self.base.at_full_width())

@@ -11,10 +11,19 @@ With `cap_at_match` a match of n tokens proposes at most n: a short match
 is weak evidence that the copy goes on. This pays when verification is
 trimmed to the proposal's width; steps at full width propose k anyway
 (`at_full_width`).
+
+With `history` > 0 a row that finds no match in its own sequence looks in
+the last `history` requests its slot served, prompts and outputs (as
+SuffixDecoding and vLLM's `suffix` method look in earlier outputs): the
+most recent request with a match wins, and within it the latest match. The
+drafter then adapts to the traffic without training: answers to similar
+queries share their phrasing (SQL clauses, the steps of a math answer).
+Each row keeps its own ring, so rows and devices stay independent.
 """
 
 import dataclasses
 
+import flax
 import jax
 import jax.numpy as jnp
 
@@ -49,6 +58,60 @@ def continuation(tokens_BxS: jax.Array, lengths_B: jax.Array, start_B: jax.Array
   return jnp.take_along_axis(tokens_BxS, first[:, None] + offsets, axis=1)
 
 
+@flax.struct.dataclass
+class History:
+  """Per row, a ring of the last requests its slot served."""
+
+  tokens: jax.Array  # [B, H, S] each request's prompt and output
+  lengths: jax.Array  # [B, H] tokens held; 0: an empty entry
+  age: jax.Array  # [B, H] requests served since (0: the latest)
+
+  @classmethod
+  def empty(cls, batch_size: int, size: int, cache_size: int) -> "History":
+    return cls(jnp.zeros((batch_size, size, cache_size), jnp.int32),
+               jnp.zeros((batch_size, size), jnp.int32),
+               jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch_size, size)))
+
+  def remember(self, row, tokens_S: jax.Array, length: jax.Array) -> "History":
+    """The ring of `row` with its oldest entry replaced by a finished request."""
+    age = self.age[row]
+    oldest = jnp.argmax(age)
+    kept = jnp.where(length > 0, length, self.lengths[row, oldest])
+    return self.replace(
+        tokens=self.tokens.at[row, oldest].set(
+            jnp.where(length > 0, tokens_S, self.tokens[row, oldest])),
+        lengths=self.lengths.at[row, oldest].set(kept),
+        age=self.age.at[row].set(jnp.where(length > 0, jnp.where(
+            jnp.arange(age.shape[0]) == oldest, 0, age + 1), age)))
+
+
+def history_match(history: History, suffix_Bxn: jax.Array, k: int):
+  """(has match [B], the k tokens after it [B, k], how many of them exist [B]).
+
+  A match in an entry is a position j with entry[j:j+n] == suffix and j + n
+  < the entry's length; the youngest entry with one wins, then the latest j.
+  """
+  b, h, s = history.tokens.shape
+  n = suffix_Bxn.shape[1]
+  flat = history.tokens.reshape(b, h * s)
+  positions = jnp.arange(s)[None, None, :]
+  is_match = positions + n < history.lengths[:, :, None]  # [B, H, S]
+  for i in range(n):
+    shifted = jnp.roll(flat, -i, axis=1).reshape(b, h, s)  # entry[j + i]
+    is_match &= shifted == suffix_Bxn[:, i, None, None]
+  # Youngest entry first, then the latest position in it.
+  score = jnp.where(is_match, (h - history.age[:, :, None]) * s + positions, -1)
+  best = jnp.argmax(score.reshape(b, h * s), axis=1)
+  has = jnp.max(score.reshape(b, h * s), axis=1) >= 0
+  entry, start = best // s, best % s
+  first = start + n
+  offsets = jnp.minimum(first[:, None] + jnp.arange(k)[None, :], s - 1)
+  rows = jnp.take_along_axis(history.tokens, entry[:, None, None], axis=1)[:, 0]
+  tokens = jnp.take_along_axis(rows, offsets, axis=1)
+  length = jnp.take_along_axis(history.lengths, entry[:, None], axis=1)[:, 0]
+  return has, tokens, jnp.clip(length - first, 0, k)
+
+
 @dataclasses.dataclass(frozen=True)
 class NGramDraft:
   """Prompt lookup over the row's prompt and output so far."""
@@ -57,6 +120,10 @@ class NGramDraft:
   max_ngram: int = 3
   min_ngram: int = 1
   cap_at_match: bool = False  # propose at most n tokens after an n-gram match
+  history: int = 0  # earlier requests of the row's slot it also looks in
+  # Shorter matches in other requests are mostly chance: on the shift
+  # stream 2-grams there added tokens per call but cost more in verification.
+  history_min_ngram: int = 3
   needs_hidden: bool = False
   commit_reads = False  # a class attribute, not a field
 
@@ -64,10 +131,15 @@ class NGramDraft:
     if not 1 <= self.min_ngram <= self.max_ngram:
       raise ValueError(f"Need 1 <= min_ngram <= max_ngram, got"
                        f" {self.min_ngram}..{self.max_ngram}.")
+    if self.history < 0 or self.history_min_ngram < 1:
+      raise ValueError(f"Need history >= 0 and history_min_ngram >= 1, got"
+                       f" {self.history} and {self.history_min_ngram}.")
 
-  def lookup(self, ctx: Context, k: int) -> tuple[jax.Array, jax.Array]:
+  def lookup(self, ctx: Context, k: int,
+             history: History | None = None) -> tuple[jax.Array, jax.Array]:
     """(tokens [B, k], how many of them to propose [B], 0 without a match),
-    the longest n that matches winning."""
+    the longest n that matches winning; the row's own sequence first, then
+    (where it has none) its `history`, from n = history_min_ngram."""
     length = ctx.lengths + 1  # c_0..c_m
     counts = jnp.zeros(ctx.lengths.shape, jnp.int32)
     tokens = jnp.zeros(ctx.lengths.shape + (k,), jnp.int32)
@@ -77,13 +149,24 @@ class NGramDraft:
       tokens = jnp.where(take[:, None],
                          continuation(ctx.tokens, length, start, n, k), tokens)
       counts = jnp.where(take, min(n, k) if self.cap_at_match else k, counts)
+    if history is None or not self.history:
+      return tokens, counts
+    for n in range(self.max_ngram, self.history_min_ngram - 1, -1):
+      suffix = jnp.take_along_axis(
+          ctx.tokens, jnp.maximum(length[:, None] - n + jnp.arange(n), 0), axis=1)
+      has, found, available = history_match(history, suffix, k)
+      take = has & (counts == 0) & (length >= n)
+      tokens = jnp.where(take[:, None], found, tokens)
+      counts = jnp.where(take, jnp.minimum(available, min(n, k) if self.cap_at_match
+                                           else k), counts)
     return tokens, counts
 
   def prepare(self, params, target_params=None):
     return params
 
   def init_state(self, batch_size, cache_size):
-    return ()
+    """The history ring (a request's entry holds up to cache_size tokens)."""
+    return History.empty(batch_size, self.history, cache_size) if self.history else ()
 
   def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD=None):
     return state
@@ -91,14 +174,18 @@ class NGramDraft:
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
     """Rows without a match propose nothing: the step emits one target token."""
-    tokens, counts = self.lookup(ctx, k)
+    tokens, counts = self.lookup(ctx, k, state if self.history else None)
     return Proposal(tokens, one_hot_logits(tokens, self.vocab_size), counts), state
 
   def commit(self, params, state, verified, window):
     return state
 
-  def insert_row(self, state, row, one):
-    return state
+  def insert_row(self, state, row, one, leaving=None):
+    """The row's ring keeps the request leaving it (the new one starts with
+    its slot's history, which is not the request's own state)."""
+    if not self.history or leaving is None:
+      return state
+    return state.remember(row, *leaving)
 
   def at_full_width(self):
     return dataclasses.replace(self, cap_at_match=False)

@@ -1,0 +1,145 @@
+"""Lookup in the requests a slot served before (NGramDraft.history)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from osd_jax.checkpoints import draft as draft_lib
+from osd_jax.decoding.drafts import Draft, HybridDraft, ModelDraft, NGramDraft
+from osd_jax.decoding.drafts.ngram import History
+from osd_jax.decoding.engine import Engine
+from osd_jax.serving import driver, online
+from tests.test_generation import VOCAB, naive_greedy, prompts_of_lengths, tiny_model
+from tests import test_online
+from tests.test_online import TIMING, query, random_prompts, tiny_pair
+from tests.test_speculative import lookup_context, reference_lookup
+
+SIZE = 32  # positions of a history entry
+
+
+def reference(row, served, k, max_ngram, min_ngram, cap, history_min):
+  """What the lookup should propose, in plain Python: (tokens, count)."""
+  own = reference_lookup(row, k, max_ngram, min_ngram)
+  if own is not None:
+    n = next(n for n in range(max_ngram, min_ngram - 1, -1)
+             if any(row[j:j + n] == row[-n:] for j in range(len(row) - n)))
+    return own, min(n, k) if cap else k
+  for n in range(max_ngram, history_min - 1, -1):
+    if len(row) < n:
+      continue
+    for entry in reversed(served):  # the youngest request first
+      starts = [j for j in range(len(entry) - n) if entry[j:j + n] == row[-n:]]
+      if starts:
+        copied = entry[max(starts) + n:][:k]
+        return copied, min(len(copied), min(n, k) if cap else k)
+  return None, 0
+
+
+def remembered(rows_served, size):
+  """A History per row after its slot served `rows_served[b]`, oldest first."""
+  history = History.empty(len(rows_served), size, SIZE)
+  remember = jax.jit(History.remember)
+  for b, served in enumerate(rows_served):
+    for entry in served:
+      tokens = jnp.asarray(np.resize(entry, SIZE) * (np.arange(SIZE) < len(entry)))
+      history = remember(history, b, tokens, jnp.int32(len(entry)))
+  return history
+
+
+@pytest.mark.parametrize("cap, history_min", [(False, 2), (True, 2), (True, 3)])
+def test_lookup_falls_back_on_the_youngest_served_request_with_a_match(cap, history_min):
+  rng = np.random.default_rng(0)
+  size, k = 3, 4
+  rows = [rng.integers(3, 9, int(n)).tolist() for n in rng.integers(1, 12, 48)]
+  # Up to 5 earlier requests a row: a ring of 3 keeps the last 3.
+  served = [[rng.integers(3, 9, int(n)).tolist() for n in rng.integers(1, SIZE, int(c))]
+            for c in rng.integers(0, 6, len(rows))]
+  drafter = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, cap_at_match=cap, history=size,
+                       history_min_ngram=history_min)
+  tokens, counts = jax.jit(drafter.lookup, static_argnums=1)(
+      lookup_context(rows), k, remembered(served, size))
+  from_history = 0
+  for row, earlier, got, count in zip(rows, served, tokens.tolist(), counts.tolist()):
+    want, want_count = reference(row, earlier[-size:], k, 3, 2, cap, history_min)
+    assert count == want_count, (row, earlier)
+    assert got[:count] == (want or [])[:count]
+    from_history += reference_lookup(row, k, 3, 2) is None and count > 0
+  assert from_history >= 4  # the fallback was exercised
+  # Without a history the same rows find only their own matches.
+  plain = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, cap_at_match=cap)
+  _, own_counts = plain.lookup(lookup_context(rows), k)
+  assert sum(own_counts.tolist()) < sum(counts.tolist())
+
+
+def test_the_ring_forgets_its_oldest_request_and_ignores_an_empty_one():
+  history = remembered([[[5, 6, 7], [5, 6, 8], [5, 6, 9]]], size=2)
+  assert sorted(history.lengths[0].tolist()) == [3, 3]
+  ctx = lookup_context([[1, 5, 6]])
+  drafter = NGramDraft(VOCAB, max_ngram=2, min_ngram=2, history=2, history_min_ngram=2)
+  assert drafter.lookup(ctx, 1, history)[0].tolist() == [[9]]  # the youngest
+  # A slot that served nothing leaves its ring as it was.
+  same = History.remember(history, 0, jnp.zeros((SIZE,), jnp.int32), jnp.int32(0))
+  for got, want in zip(jax.tree.leaves(same), jax.tree.leaves(history)):
+    np.testing.assert_array_equal(got, want)
+
+
+def engine(model, drafter, params=()):
+  return Engine(model, Draft(drafter, params, "test"), k=3, max_new_tokens=10,
+                num_slots=1, steps_per_call=3, trim_verify=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_model()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
+def test_served_requests_make_repeats_cheaper_and_outputs_stay_greedy(model, kind):
+  """The same prompt twice, one slot: the second copies the first's output."""
+  first, other = prompts_of_lengths([7, 5], seed=4)
+  stream = [first, other, first]
+  expected = [naive_greedy(model, p, 10) for p in stream]
+  calls = {}
+  for size in (0, 4):
+    drafter = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, history=size,
+                         history_min_ngram=2)
+    params = ()
+    if kind == "hybrid":
+      derived = draft_lib.derive(model, [0])
+      drafter, params = HybridDraft(ModelDraft(derived.config), drafter), derived.params
+    results = engine(model, drafter, params).generate_ids(stream)
+    assert [r.token_ids for r in results] == expected
+    calls[size] = [r.metrics["target_calls"] for r in results]
+  assert calls[4][0] == calls[0][0]  # nothing served before: no change
+  assert calls[4][2] <= 4 < calls[0][2]  # 10 tokens, 3 a call + 1 from the copy
+
+
+def served_records(drafter, queries, devices):
+  """Records (timings left out) of the online loop serving `queries`, no learning."""
+  target, _ = tiny_pair()
+  cfg = online.OnlineConfig(k=3, max_new_tokens=10, cache_size=64, steps_per_call=2,
+                            learn=False, trim_verify=True)
+  records = []
+  driver.run_stream(target, Draft(drafter, (), "test"), queries, cfg, num_slots=2,
+                    mesh=online.make_mesh(devices), seed=0, chat=False,
+                    on_request=records.append)
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def test_the_online_loop_keeps_each_slots_history_on_any_number_of_devices():
+  """Two slots on one device or one slot on each of two: the same proposals.
+  Prompts served again cost fewer target calls than without a history."""
+  queries = [query(p) for p in random_prompts((6, 9, 4, 7), seed=5) * 3]
+  vocab = test_online.VOCAB
+  plain = NGramDraft(vocab, max_ngram=3, min_ngram=2)
+  with_history = NGramDraft(vocab, max_ngram=3, min_ngram=2, history=8)
+  one, two = (served_records(with_history, queries, d) for d in (1, 2))
+  # Alpha sums floats in another order on two devices.
+  alpha = lambda records: [r.pop("alpha") for r in records]
+  np.testing.assert_allclose(alpha(one), alpha(two), rtol=1e-6)
+  assert one == two
+  without = served_records(plain, queries, 1)
+  assert [r["new_tokens"] for r in without] == [r["new_tokens"] for r in one]
+  calls = lambda records: sum(r["target_calls"] for r in records[4:])
+  assert calls(one) < 0.7 * calls(without)
