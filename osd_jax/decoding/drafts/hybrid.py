@@ -55,7 +55,7 @@ class HybridDraft:
     """When lookup covers every row the base draft is skipped: its state
     then lags the committed tokens, and its next proposal catches up."""
     base, lookup = self._split(state)
-    tokens, counts = self.ngram.lookup(ctx, k, lookup if self.ngram.history else None)
+    tokens, counts = self.ngram.lookup(ctx, k, lookup)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
                                     counts), base)
     with_base = lambda: self.base.propose(params, base, ctx, rng_B, k, sampling,

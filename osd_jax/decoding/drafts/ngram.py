@@ -73,16 +73,15 @@ class History:
                jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch_size, size)))
 
   def remember(self, row, tokens_S: jax.Array, length: jax.Array) -> "History":
-    """The ring of `row` with its oldest entry replaced by a finished request."""
+    """The ring of `row` with its oldest entry replaced by a finished request
+    (unchanged for length 0: the slot served nothing)."""
     age = self.age[row]
     oldest = jnp.argmax(age)
-    kept = jnp.where(length > 0, length, self.lengths[row, oldest])
-    return self.replace(
-        tokens=self.tokens.at[row, oldest].set(
-            jnp.where(length > 0, tokens_S, self.tokens[row, oldest])),
-        lengths=self.lengths.at[row, oldest].set(kept),
-        age=self.age.at[row].set(jnp.where(length > 0, jnp.where(
-            jnp.arange(age.shape[0]) == oldest, 0, age + 1), age)))
+    updated = self.replace(tokens=self.tokens.at[row, oldest].set(tokens_S),
+                           lengths=self.lengths.at[row, oldest].set(length),
+                           age=self.age.at[row].set(jnp.where(
+                               jnp.arange(age.shape[0]) == oldest, 0, age + 1)))
+    return jax.tree.map(lambda new, old: jnp.where(length > 0, new, old), updated, self)
 
 
 def history_match(history: History, suffix_Bxn: jax.Array, k: int):
@@ -136,7 +135,7 @@ class NGramDraft:
                        f" {self.history} and {self.history_min_ngram}.")
 
   def lookup(self, ctx: Context, k: int,
-             history: History | None = None) -> tuple[jax.Array, jax.Array]:
+             history: History | tuple = ()) -> tuple[jax.Array, jax.Array]:
     """(tokens [B, k], how many of them to propose [B], 0 without a match),
     the longest n that matches winning; the row's own sequence first, then
     (where it has none) its `history`, from n = history_min_ngram."""
@@ -149,7 +148,7 @@ class NGramDraft:
       tokens = jnp.where(take[:, None],
                          continuation(ctx.tokens, length, start, n, k), tokens)
       counts = jnp.where(take, min(n, k) if self.cap_at_match else k, counts)
-    if history is None or not self.history:
+    if not self.history:
       return tokens, counts
     for n in range(self.max_ngram, self.history_min_ngram - 1, -1):
       suffix = jnp.take_along_axis(
@@ -174,7 +173,7 @@ class NGramDraft:
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
     """Rows without a match propose nothing: the step emits one target token."""
-    tokens, counts = self.lookup(ctx, k, state if self.history else None)
+    tokens, counts = self.lookup(ctx, k, state)
     return Proposal(tokens, one_hot_logits(tokens, self.vocab_size), counts), state
 
   def commit(self, params, state, verified, window):
