@@ -153,18 +153,70 @@ def run_stream(*args, **kwargs) -> online.OnlineState:
   return state
 
 
+def memory_maps() -> tuple[int, int] | None:
+  """(memory mappings this process holds, Linux's vm.max_map_count), or
+  None where the kernel does not say (not Linux)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f), limit
+  except (OSError, ValueError):
+    return None
+
+
 def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
                    on_done: Callable[[str], None] = lambda name: None) -> None:
   """Drives serve_stream generators. Interleaved, the passes go round in
   turns, each up to its next pause (so a machine whose speed drifts slows
-  every pass alike); otherwise each runs to its end before the next starts."""
-  groups = [list(runs)] if interleave else [[name] for name in runs]
-  for group in groups:
-    while group:
-      for name in list(group):
-        if next(runs[name], None) is None:
-          group.remove(name)
-          on_done(name)
+  every pass alike); otherwise each runs to its end before the next starts.
+
+  Passes served in turns all keep their compiled programs, and XLA's CPU
+  backend maps three memory regions per kernel: a SmolLM2 serving program
+  holds about 1,600, a pass at 8 slots about 20 programs, and Linux stops a
+  process at vm.max_map_count (65,530 by default) with "LLVM compilation
+  error: Cannot allocate memory". So a pass joins the turns only while it
+  would fit under that limit; otherwise it waits until the running ones end
+  and their programs are dropped.
+  """
+  pending, running, largest = list(runs), [], 0
+
+  def advance(name: str) -> bool:
+    if next(runs[name], None) is not None:
+      return True
+    on_done(name)
+    return False
+
+  while pending:
+    if running:  # wait for the running passes to end, then drop their programs
+      while running:
+        running = [name for name in running if advance(name)]
+      jax.clear_caches()
+    joining = True
+    while pending and joining:
+      name, before = pending.pop(0), memory_maps()
+      if advance(name):  # its first turn compiles its programs
+        running.append(name)
+      after = memory_maps()
+      if before and after:
+        largest = max(largest, after[0] - before[0])
+      joining = interleave and bool(pending) and _fits(largest, pending[0])
+  while running:
+    running = [name for name in running if advance(name)]
+
+
+def _fits(largest: int, name: str, headroom: float = 0.9) -> bool:
+  """Whether a pass of up to twice the `largest` pass's mappings fits under
+  the limit (a pass that drafts, or learns, compiles more kernels than the
+  target-only pass: 2x and 4x at 8 slots)."""
+  maps = memory_maps()
+  if maps is None or maps[0] + 2 * largest <= headroom * maps[1]:
+    return True
+  print(f"[{name}] waits for the passes before it to end: their compiled"
+        f" programs hold {maps[0]:,} of this process's vm.max_map_count ="
+        f" {maps[1]:,} memory mappings (raise it to serve every pass in turns:"
+        " sudo sysctl -w vm.max_map_count=262144)")
+  return False
 
 
 def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
