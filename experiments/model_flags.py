@@ -56,10 +56,10 @@ NGRAM_MIN = flags.DEFINE_integer(
 NGRAM_HISTORY = flags.DEFINE_integer(
     "ngram_history", 0,
     "Where the sequence itself has no n-gram match, look up in the last N"
-    " requests the slot served, prompts and outputs (SuffixDecoding's idea):"
-    " the lookup adapts to the traffic with no training. Each slot keeps N x"
-    " the slot's positions of tokens, searched every step; 0 = prompt lookup"
-    " only.", lower_bound=0)
+    " requests the device served, prompts and outputs (SuffixDecoding's"
+    " idea): the lookup adapts to the traffic with no training. Each slot"
+    " keeps a copy of N x the slot's positions of tokens, searched every step;"
+    " 0 = prompt lookup only.", lower_bound=0)
 NGRAM_HISTORY_MIN = flags.DEFINE_integer(
     "ngram_history_min", 3,
     "Shortest n-gram looked up in earlier requests (--ngram_history).",
@@ -86,7 +86,7 @@ def serve_with_the_best_draft() -> None:
   text, behind n-gram lookup wherever the context has a match; it proposes
   only draws it gave at least 0.7, so where lookup finds nothing a step often
   proposes nothing and verification (trimmed) costs one target step. Lookup
-  also searches the last 64 requests each slot served. Call at
+  also searches the last 64 requests the device served. Call at
   import time, before flags parse."""
   flags.set_default(HYBRID, True)
   flags.set_default(WARM_START, "chat")

@@ -53,7 +53,7 @@ RUNS = flags.DEFINE_list(
     "Which passes over the stream: target (target-only), static (the draft"
     " never learns), online (the draft learns as it serves), ngram (n-gram"
     " lookup alone, --ngram_min..--ngram_max, in the request and the last"
-    " --ngram_history requests of its slot: no parameters). Lookup's history"
+    " --ngram_history requests of its device: no parameters). Lookup's history"
     " is on in every speculative pass.")
 # Learning.
 SAMPLE_SOURCE = flags.DEFINE_enum("sample_source", "served", list(samples.SOURCES),

@@ -13,12 +13,13 @@ trimmed to the proposal's width; steps at full width propose k anyway
 (`at_full_width`).
 
 With `history` > 0 a row that finds no match in its own sequence looks in
-the last `history` requests its slot served, prompts and outputs (as
+the last `history` requests its device served, prompts and outputs (as
 SuffixDecoding and vLLM's `suffix` method look in earlier outputs): the
 most recent request with a match wins, and within it the latest match. The
 drafter then adapts to the traffic without training: answers to similar
 queries share their phrasing (SQL clauses, the steps of a math answer).
-Each row keeps its own ring, so rows and devices stay independent.
+Every row of a device keeps the same ring (History), so a slot finds what
+the device's other slots served; devices stay independent.
 """
 
 import dataclasses
@@ -60,7 +61,14 @@ def continuation(tokens_BxS: jax.Array, lengths_B: jax.Array, start_B: jax.Array
 
 @flax.struct.dataclass
 class History:
-  """Per row, a ring of the last requests its slot served."""
+  """A ring of the last requests a device served, kept by every row.
+
+  Every row of a device holds the same ring: a slot then looks up what all
+  the device's slots served (at 8 slots a ring per slot saw 1/8 of the
+  traffic), while the drafter state stays per row, as batch buckets slice
+  it. The copies cost memory (128 KB a slot at the defaults), not time: each
+  row searches a ring with its own suffix anyway.
+  """
 
   tokens: jax.Array  # [B, H, S] each request's prompt and output
   lengths: jax.Array  # [B, H] tokens held; 0: an empty entry
@@ -72,15 +80,16 @@ class History:
                jnp.zeros((batch_size, size), jnp.int32),
                jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch_size, size)))
 
-  def remember(self, row, tokens_S: jax.Array, length: jax.Array) -> "History":
-    """The ring of `row` with its oldest entry replaced by a finished request
-    (unchanged for length 0: the slot served nothing)."""
-    age = self.age[row]
-    oldest = jnp.argmax(age)
-    updated = self.replace(tokens=self.tokens.at[row, oldest].set(tokens_S),
-                           lengths=self.lengths.at[row, oldest].set(length),
-                           age=self.age.at[row].set(jnp.where(
-                               jnp.arange(age.shape[0]) == oldest, 0, age + 1)))
+  def remember(self, tokens_S: jax.Array, length: jax.Array) -> "History":
+    """Every row's ring with its oldest entry replaced by a finished request
+    (unchanged for length 0: the slot it left served nothing)."""
+    rows = jnp.arange(self.age.shape[0])
+    oldest = jnp.argmax(self.age, axis=1)
+    updated = self.replace(
+        tokens=self.tokens.at[rows, oldest].set(tokens_S),
+        lengths=self.lengths.at[rows, oldest].set(length),
+        age=jnp.where(jnp.arange(self.age.shape[1]) == oldest[:, None], 0,
+                      self.age + 1))
     return jax.tree.map(lambda new, old: jnp.where(length > 0, new, old), updated, self)
 
 
@@ -119,7 +128,7 @@ class NGramDraft:
   max_ngram: int = 3
   min_ngram: int = 1
   cap_at_match: bool = False  # propose at most n tokens after an n-gram match
-  history: int = 0  # earlier requests of the row's slot it also looks in
+  history: int = 0  # earlier requests of the row's device it also looks in
   # Shorter matches in other requests are mostly chance: on the shift
   # stream 2-grams there added tokens per call but cost more in verification.
   history_min_ngram: int = 3
@@ -180,11 +189,11 @@ class NGramDraft:
     return state
 
   def insert_row(self, state, row, one, leaving=None):
-    """The row's ring keeps the request leaving it (the new one starts with
-    its slot's history, which is not the request's own state)."""
+    """Every row's ring keeps the request leaving `row` (the new request
+    starts with the device's history, which is not its own state)."""
     if not self.history or leaving is None:
       return state
-    return state.remember(row, *leaving)
+    return state.remember(*leaving)
 
   def at_full_width(self):
     return dataclasses.replace(self, cap_at_match=False)
