@@ -162,6 +162,9 @@ def work(argv):
     mesh = jax.sharding.Mesh(np.array(devices), (online.AXIS,))
   log("mesh rows by process: "
       + "".join(str(d.process_index) for d in mesh.devices))
+  # A choice one host vetoes is no host's (driver.serve_in_turns relies on it).
+  log(f"all agree: {distributed.all_agree(True)},"
+      f" {distributed.all_agree(jax.process_index() == 0)}")
   records = []
 
   def run(stop_after=None, **kwargs):

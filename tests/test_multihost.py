@@ -114,6 +114,9 @@ def test_two_processes_match_one(tmp_path):
   assert "] process 1/2: 4 local of 8 devices" in outputs["p1"]
   assert "] process 0/1: 8 local of 8 devices" in outputs["single"]
   assert "mesh rows by process: 01010101" in outputs["p0"]
+  assert "all agree: True, False" in outputs["p0"]
+  assert "all agree: True, False" in outputs["p1"]
+  assert "all agree: True, True" in outputs["single"]
 
   # Both hosts computed the same draft and records; some updates, none skipped.
   assert _digest(outputs["p0"]) == _digest(outputs["p1"])

@@ -1,5 +1,7 @@
 """The main job's passes taking turns over the stream's segments."""
 
+import numpy as np
+
 from experiments import online as main_job
 from osd_jax.serving import driver
 from osd_jax.serving.driver import Query
@@ -84,3 +86,17 @@ def test_without_a_known_limit_every_pass_joins(monkeypatch):
   driver.serve_in_turns(runs, interleave=True)
   assert log == [(name, piece) for piece in range(2)
                  for name in ("target", "static", "online")]
+
+
+def test_every_host_takes_the_same_turns(monkeypatch):
+  """With several processes a pass joins only if it fits on every host: here
+  this host has room and another has not."""
+  log = []
+  monkeypatch.setattr(driver, "memory_maps", lambda: (1000, 65530))
+  monkeypatch.setattr(driver.jax, "clear_caches", lambda: None)
+  monkeypatch.setattr(driver.distributed.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(driver.distributed.multihost_utils, "process_allgather",
+                      lambda flag: np.asarray([flag, False]))
+  runs = {name: _pass(name, 2, log) for name in ("target", "static")}
+  driver.serve_in_turns(runs, interleave=True)
+  assert log == [("target", 0), ("target", 1), ("static", 0), ("static", 1)]

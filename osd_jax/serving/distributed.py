@@ -33,6 +33,14 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def all_agree(flag: bool) -> bool:
+  """Whether `flag` holds on every process: a host's choice of which
+  programs to run next must be every host's, or their collectives hang."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
+
+
 def is_primary() -> bool:
   """Only process 0 writes logs, plots and reports."""
   return jax.process_index() == 0

@@ -210,12 +210,13 @@ def _fits(largest: int, name: str, headroom: float = 0.9) -> bool:
   the limit (a pass that drafts, or learns, compiles more kernels than the
   target-only pass: 2x and 4x at 8 slots)."""
   maps = memory_maps()
-  if maps is None or maps[0] + 2 * largest <= headroom * maps[1]:
+  if distributed.all_agree(maps is None or maps[0] + 2 * largest <= headroom * maps[1]):
     return True
+  held = (f"hold {maps[0]:,} of this process's vm.max_map_count = {maps[1]:,}"
+          if maps else "would not fit another host's vm.max_map_count")
   print(f"[{name}] waits for the passes before it to end: their compiled"
-        f" programs hold {maps[0]:,} of this process's vm.max_map_count ="
-        f" {maps[1]:,} memory mappings (raise it to serve every pass in turns:"
-        " sudo sysctl -w vm.max_map_count=262144)")
+        f" programs {held} memory mappings (raise it to serve every pass in"
+        " turns: sudo sysctl -w vm.max_map_count=262144)")
   return False
 
 
