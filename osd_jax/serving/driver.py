@@ -172,10 +172,10 @@ def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
   every pass alike); otherwise each runs to its end before the next starts.
 
   Passes served in turns all keep their compiled programs, and XLA's CPU
-  backend maps three memory regions per kernel: a SmolLM2 serving program
-  holds about 1,600, a pass at 8 slots about 20 programs, and Linux stops a
-  process at vm.max_map_count (65,530 by default) with "LLVM compilation
-  error: Cannot allocate memory". So a pass joins the turns only while it
+  backend maps three memory regions per kernel: a pass of SmolLM2 at 8 slots
+  (16-20 programs) holds 8,000 (target only) to 33,000 (learning), and Linux
+  stops a process at vm.max_map_count (65,530 by default) with "LLVM
+  compilation error: Cannot allocate memory". So a pass joins the turns only while it
   would fit under that limit; otherwise it waits until the running ones end
   and their programs are dropped.
   """
