@@ -175,9 +175,9 @@ def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
   backend maps three memory regions per kernel: a pass of SmolLM2 at 8 slots
   (16-20 programs) holds 8,000 (target only) to 33,000 (learning), and Linux
   stops a process at vm.max_map_count (65,530 by default) with "LLVM
-  compilation error: Cannot allocate memory". So a pass joins the turns only while it
-  would fit under that limit; otherwise it waits until the running ones end
-  and their programs are dropped.
+  compilation error: Cannot allocate memory". So a pass joins the turns
+  only while it would fit under that limit; otherwise it waits until the
+  running ones end and their programs are dropped.
   """
   pending, running, largest = list(runs), [], 0
 
@@ -187,10 +187,14 @@ def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
     on_done(name)
     return False
 
+  def run_to_end(names: list[str]) -> None:
+    while names:
+      names = [name for name in names if advance(name)]
+
   while pending:
-    if running:  # wait for the running passes to end, then drop their programs
-      while running:
-        running = [name for name in running if advance(name)]
+    if running:  # the running passes end, then their programs are dropped
+      run_to_end(running)
+      running = []
       jax.clear_caches()
     joining = True
     while pending and joining:
@@ -200,16 +204,16 @@ def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
       after = memory_maps()
       if before and after:
         largest = max(largest, after[0] - before[0])
-      joining = interleave and bool(pending) and _fits(largest, pending[0])
-  while running:
-    running = [name for name in running if advance(name)]
+      joining = interleave and bool(pending) and _fits(after, largest, pending[0])
+  run_to_end(running)
 
 
-def _fits(largest: int, name: str, headroom: float = 0.9) -> bool:
-  """Whether a pass of up to twice the `largest` pass's mappings fits under
-  the limit (a pass that drafts, or learns, compiles more kernels than the
-  target-only pass: 2x and 4x at 8 slots)."""
-  maps = memory_maps()
+def _fits(maps: tuple[int, int] | None, largest: int, name: str,
+          headroom: float = 0.9) -> bool:
+  """Whether a pass of up to twice the `largest` pass's mappings fits beside
+  the `maps` held, under the limit, on every host (a pass that drafts, or
+  learns, compiles more kernels than the target-only pass: 2x and 4x at 8
+  slots)."""
   if distributed.all_agree(maps is None or maps[0] + 2 * largest <= headroom * maps[1]):
     return True
   held = (f"hold {maps[0]:,} of this process's vm.max_map_count = {maps[1]:,}"
