@@ -61,11 +61,11 @@ def prompts():
   return base[:-1] + [base[-1] + continued.token_ids + base[-1]]
 
 
-def run(target, draft, prompts, k, sampling=Sampling(), trim_verify=False):
-  """Engine results, one per prompt (2 slots when trimming: calls over 4 or
-  more slots verify at full width)."""
+def run(target, draft, prompts, k, sampling=Sampling(), trim_verify=False,
+        num_slots=8):
+  """Engine results, one per prompt (trimmed over several slots: packed)."""
   engine = Engine(target, draft, k=k, sampling=sampling, max_new_tokens=MAX_NEW,
-                  trim_verify=trim_verify, num_slots=2 if trim_verify else 8)
+                  trim_verify=trim_verify, num_slots=num_slots)
   return engine.generate_ids(prompts)
 
 
@@ -134,6 +134,15 @@ def test_greedy_speculative_equals_greedy_target(target, target_greedy, prompts,
     assert proposed < k * total(results, "target_calls")
   if draft_name == "confident":  # and some more than one
     assert proposed > total(results, "target_calls")
+
+
+@pytest.mark.parametrize("draft_name", ["hybrid_short", "confident"])
+def test_one_slot_trimmed_to_the_proposals_width_equals_greedy_target(
+    target, target_greedy, prompts, draft_name):
+  """At one slot trimming runs at the proposal's width, not packed."""
+  results = run(target, drafts(target)[draft_name], prompts, 4, trim_verify=True,
+                num_slots=1)
+  assert [r.token_ids for r in results] == target_greedy
 
 
 def test_identical_draft_accepts_everything_greedy(target, target_greedy, prompts):
@@ -513,6 +522,34 @@ def test_a_trimmed_verification_scores_only_what_was_proposed(target, needed):
   for row in range(2):
     for ours, theirs in zip(new_cache.valid_entries(row, 3 + needed),
                             full_cache.valid_entries(row, 3 + needed)):
+      np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize("counts", [(1, 1, 1), (5, 0, 3), (2, 5, 1), (0, 0, 0)])
+def test_a_packed_verification_scores_only_each_rows_proposal(target, counts):
+  """Packed, each row's first counts[b] positions (0: a finished row) match
+  the full pass, the rest read as zeros, and the cache holds the same
+  committed entries: rows of different proposal lengths share one pass."""
+  config = target.config
+  params = llama.for_decoding(target.params, config)
+  tokens = jnp.asarray([[3, 5, 7, 9, 11], [4, 6, 8, 10, 12], [1, 9, 2, 8, 3]],
+                       jnp.int32)
+  cache = config.init_cache(3, CACHE)
+  cache = llama.forward(params, config, jnp.asarray([[1, 2, 3], [2, 3, 4], [5, 4, 3]]),
+                        cache)[1]
+  score = jax.jit(speculative.verify_pass, static_argnums=(1, 5))
+  full_h, full_logits, full_cache = score(params, config, tokens, cache, None, (5,), 5)
+  packed = jax.jit(speculative.verify_packed, static_argnums=1)
+  h, logits, new_cache = packed(params, config, tokens, cache, None,
+                                jnp.asarray(counts, jnp.int32))
+  for row, count in enumerate(counts):
+    np.testing.assert_allclose(h[row, :count], full_h[row, :count], atol=1e-5)
+    np.testing.assert_allclose(logits[row, :count], full_logits[row, :count],
+                               atol=1e-4)
+    assert not np.any(np.asarray(h[row, count:]))
+    assert not np.any(np.asarray(logits[row, count:]))
+    for ours, theirs in zip(new_cache.valid_entries(row, 3 + count),
+                            full_cache.valid_entries(row, 3 + count)):
       np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 

@@ -27,16 +27,6 @@ from osd_jax.models.kv_cache import KVCache
 BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-# With 4 or more busy slots some row nearly always drafts k, and choosing the
-# width costs about 6 % of a full-width pass (batch 8, k=2, AVX2 EPYC).
-TRIM_BELOW_BATCH = 4
-
-
-def trims(trim_verify: bool, batch: int) -> bool:
-  """Whether a call over `batch` slots verifies at the proposals' width."""
-  return trim_verify and batch < TRIM_BELOW_BATCH
-
-
 def bucket(size: int, cap: int) -> int:
   """The smallest bucket >= size, or `cap` (the cache size) beyond them."""
   for b in BUCKETS:
@@ -104,8 +94,9 @@ class SlotConfig:
   sampling: Sampling | None  # None: each request brings its own (RowSampling)
   num_slots: int
   cache_size: int  # positions per slot: prompt + new tokens + k must fit
-  # In calls over fewer than TRIM_BELOW_BATCH slots, verify only as many
-  # positions as the step's longest proposal needs (speculative.verify_pass).
+  # Verify only the positions proposals fill: at one slot as many as the
+  # longest proposal needs (speculative.verify_pass), over more slots each
+  # row's own, packed (speculative.verify_packed).
   trim_verify: bool = False
 
   def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
@@ -213,7 +204,7 @@ def generate(target_params, draft_params, state: SpecState, refill=False, *,
       speculative.speculate_and_verify, target_params, draft_params,
       target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
       sampling=cfg.sampling, window=window,
-      trim_verify=trims(cfg.trim_verify, batch or cfg.num_slots))
+      trim_verify=cfg.trim_verify)
   decode = lambda s: decode_loop(lambda s, c: (step(s)[0], c), s, (), steps,
                                  refill)[0]
   return on_first_slots(decode, state, batch or cfg.num_slots, cfg.num_slots)

@@ -20,9 +20,10 @@ from osd_jax.decoding.drafts.base import Context, Proposal, Verified
 from osd_jax.decoding.prefill import prefill_hidden
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.widths import at_smallest_width
-from osd_jax.models import llama
+from osd_jax.models import llama, packing
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
+from osd_jax.models.packing import Packing
 
 
 @flax.struct.dataclass
@@ -232,6 +233,29 @@ def verify_pass(target_params, target_config: LlamaConfig, verify_BxT,
   return hidden, logits, cache.append(new, starts_B=cache.lengths)
 
 
+def verify_packed(target_params, target_config: LlamaConfig, verify_BxT,
+                  cache: KVCache, window, counts_B):
+  """verify_pass on only each row's first counts[b] positions (its last token
+  and its proposal; 0 for a finished row), packed into the smallest of
+  packing.sizes that holds them all: a batch of 8 rows where 3 proposed 2
+  tokens computes 14 positions, not 24 (on a 2-core CPU a batch-8 pass
+  costs about 42 / 57 / 70 ms at 8 / 16 / 24 positions). Every proposed
+  position is verified, as at full width; the rest read as zeros.
+  """
+  b, full = verify_BxT.shape
+
+  def at_size(n):
+    packed = Packing.of_counts(counts_B, full, n)
+    hidden, new = llama.score_packed(target_params, target_config, verify_BxT, cache,
+                                     packed, window=window)
+    logits = llama.logits(target_params, target_config, hidden)
+    return packed.scatter(hidden), packed.scatter(logits), new
+
+  hidden, logits, new = at_smallest_width(packing.sizes(b, full), counts_B.sum(),
+                                          at_size)
+  return hidden, logits, cache.append(new, starts_B=cache.lengths)
+
+
 def commit_pass(drafter, draft_params, draft, verified: Verified, window,
                 widths: tuple[int, ...], needed):
   """The drafter's commit on the first `needed` verified positions, at the
@@ -259,9 +283,11 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   after the step must fit). The target's logits and hidden states at the
   verified positions come back in the result: the teacher for online
   distillation, with no second target pass. `trim_verify` verifies only
-  as many positions as the longest active proposal needs (see verify_pass),
-  and the drafter commits as many (commit_pass);
-  without it the drafter proposes at full width (Drafter.at_full_width).
+  the positions the proposals fill: over one row at the proposal's width
+  (verify_pass), over more each row's own, packed (verify_packed); the
+  drafter commits as many as the longest (commit_pass). Without it every
+  row verifies k + 1 positions and the drafter proposes at full width
+  (Drafter.at_full_width).
   """
   if sampling is None:
     sampling = state.sampling
@@ -275,10 +301,15 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
                                     sampling, window)
   verify = jnp.concatenate([ctx.last_token[:, None], proposal.tokens], axis=1)
   widths = verify_widths(k) if trim_verify else (k + 1,)
-  needed = jnp.max(jnp.where(state.done, 0, proposal.num_proposed)) + 1
-  hidden, target_logits, target_cache = verify_pass(
-      target_params, target_config, verify, state.target_cache, window, widths,
-      needed)
+  counts = jnp.where(state.done, 0, proposal.num_proposed + 1)
+  needed = jnp.maximum(jnp.max(counts), 1)
+  if trim_verify and counts.shape[0] > 1:
+    hidden, target_logits, target_cache = verify_packed(
+        target_params, target_config, verify, state.target_cache, window, counts)
+  else:
+    hidden, target_logits, target_cache = verify_pass(
+        target_params, target_config, verify, state.target_cache, window, widths,
+        needed)
   n, y, alpha = _accept(proposal, target_logits, accept_keys, sampling)
 
   positions = jnp.arange(k + 1)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from osd_jax.models import kv_cache
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
+from osd_jax.models.packing import Packing
 
 Params = dict
 # Logit given to tokens outside a restricted head: exp() of it is exactly 0 in
@@ -253,13 +254,42 @@ def score(params: Params, config: LlamaConfig, tokens_BxT: jax.Array, cache: KVC
   t = tokens_BxT.shape[1]
   x = params["embed"][tokens_BxT].astype(config.jnp_dtype)
   positions_BxT = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  return _score_layers(params, config, x, positions_BxT, cache, window,
+                       lambda a: a, lambda a: a)
+
+
+def score_packed(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
+                 cache: KVCache, packing: Packing, *,
+                 window: int | None = None) -> tuple[jax.Array, kv_cache.NewEntries]:
+  """`score` on only the positions `packing` selects: hidden states [N, D]
+  in its slots, and the new keys/values [B, T] (zero where not computed).
+
+  The weights' matmuls run on the N packed tokens; attention runs on the
+  [B, T] layout they are scattered back to, as in `score` (a few positions
+  a row, it costs little beside the weights). A row's selected positions
+  are its first ones, so causally they never see its unselected ones.
+  """
+  t = tokens_BxT.shape[1]
+  x = params["embed"][packing.gather(tokens_BxT)][None].astype(config.jnp_dtype)
+  positions_BxT = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  hidden, new = _score_layers(params, config, x, packing.gather(positions_BxT)[None],
+                              cache, window, lambda a: packing.scatter(a[0]),
+                              lambda a: packing.gather(a)[None])
+  return hidden[0], new
+
+
+def _score_layers(params: Params, config: LlamaConfig, x, positions, cache: KVCache,
+                  window: int | None, to_rows, from_rows):
+  """score's layers: weights on x's layout, attention on the cache's rows
+  ([B, T]); to_rows / from_rows move queries, keys and values in and the
+  attention out (the identity when x is already [B, T])."""
   window = window or cache.size
   new_k, new_v = [], []
   for i, layer in enumerate(_layer_list(params["layers"])):
-    q, k, v = project_qkv(config, layer, x, positions_BxT)
+    q, k, v = map(to_rows, project_qkv(config, layer, x, positions))
     attn = attend_cached(q, k, v, cache.k[i][:, :, :window], cache.v[i][:, :window],
                          cache.lengths, config.num_kv_heads)
-    x = block_output(config, layer, x, attn)
+    x = block_output(config, layer, x, from_rows(attn))
     new_k.append(k)
     new_v.append(v)
   hidden = rms_norm(x, params["final_norm"], config.rms_eps)

@@ -303,7 +303,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
     slots, result = speculative.speculate_and_verify(
         target_params, draft_params, slots, target_config=target_config,
         drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window,
-        trim_verify=slot_lib.trims(cfg.trim_verify, batch))
+        trim_verify=cfg.trim_verify)
     if cfg.learn:
       records = records.record(result, corrected_only=corrected_only)
     return slots, records
