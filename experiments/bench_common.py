@@ -88,6 +88,24 @@ def verify_timer(params, config, batch: int, k: int, needed: int, *,
   return _step_timer(verify, params, config, batch, k + 1, filled, window, steps)
 
 
+def packed_timer(params, config, batch: int, k: int, positions: int, *,
+                 filled: int = 100, window: int = 256, steps: int = 8):
+  """Like verify_timer, for the packed verification pass over `batch` rows
+  whose last tokens and proposals fill `positions` positions in all, spread
+  as evenly as they go (speculative.verify_packed)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from osd_jax.decoding import speculative  # pylint: disable=import-outside-toplevel
+  counts = jnp.asarray([positions // batch + (row < positions % batch)
+                        for row in range(batch)], jnp.int32)
+
+  def verify(params, tokens, cache):
+    _, logits, new = speculative.verify_packed(params, config, tokens, cache, window,
+                                               counts)
+    return logits, new
+
+  return _step_timer(verify, params, config, batch, k + 1, filled, window, steps)
+
+
 def _step_timer(step, params, config, batch, num_tokens, filled, window, steps):
   """The timed callable of forward_timer, for `step(params, tokens, cache)`
   -> (logits, cache)."""

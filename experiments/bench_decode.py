@@ -11,6 +11,9 @@ All in one run:
   per row against batch 1;
 - the trimmed verification pass of k = 4 (--trim_verify) when the step's
   longest proposal needs 1..5 positions, against the plain forward on 5;
+- at batch 8, k = 4, the packed verification pass (--trim_verify over
+  several slots) when the rows' proposals fill 8..40 positions in all,
+  against the plain forward on 5 tokens a row (40 positions);
 - end-to-end greedy tokens/s of the slot engine (k = 0) and of transformers'
   `generate` on the same weights, at each batch size.
 Goals: batch-1 step >= 0.85 of the bandwidth limit; v(4) <= 1.3; batch 8 <=
@@ -29,7 +32,8 @@ BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per row.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per measurement.")
 THREADS = flags.DEFINE_integer("torch_threads", 0, "torch threads; 0 = default.")
-TRIM_K = 4  # the k whose trimmed verification pass is timed
+TRIM_K = 4  # the k whose trimmed and packed verification passes are timed
+PACKED_POSITIONS = (8, 16, 24, 40)  # positions 8 rows' proposals fill, in all
 
 
 def step_costs(target) -> dict:
@@ -41,13 +45,18 @@ def step_costs(target) -> dict:
             for b, t in [(1, t) for t in range(1, 10)] + [(8, 1)]}
   timers.update({("trimmed", w): bench_common.verify_timer(params, config, 1, TRIM_K, w)
                  for w in range(1, TRIM_K + 2)})
+  timers[(8, TRIM_K + 1)] = bench_common.forward_timer(params, config, 8, TRIM_K + 1)
+  timers.update({("packed", n): bench_common.packed_timer(params, config, 8, TRIM_K, n)
+                 for n in PACKED_POSITIONS})
   ms = {case: 1e3 * s for case, s in
         bench_common.interleaved_seconds(timers, REPEATS.value).items()}
   return {"weight_mb": weights / 1e6, "bandwidth_gb_s": gb_s,
           "limit_ms": weights / gb_s / 1e6,
           "batch1_ms": {t: ms[(1, t)] for t in range(1, 10)},
           "batch8_ms": ms[(8, 1)],
-          "trimmed_ms": {w: ms[("trimmed", w)] for w in range(1, TRIM_K + 2)}}
+          "trimmed_ms": {w: ms[("trimmed", w)] for w in range(1, TRIM_K + 2)},
+          "batch8_full_ms": ms[(8, TRIM_K + 1)],
+          "packed_ms": {n: ms[("packed", n)] for n in PACKED_POSITIONS}}
 
 
 def engine_tps(target, prompt_ids, max_new_tokens) -> tuple[float, float, list]:
@@ -85,6 +94,11 @@ def main(argv):
         " needs: " + ", ".join(
             f"{w}: {v:.1f} ms ({v / one[w]:.2f}x the forward on {w}, {v / one[1]:.2f}x on 1)"
             for w, v in costs["trimmed_ms"].items()), flush=True)
+  full = costs["batch8_full_ms"]
+  print(f"packed verification, k={TRIM_K}, batch 8, positions the rows' proposals fill"
+        f" (full width {8 * (TRIM_K + 1)}: {full:.1f} ms): " + ", ".join(
+            f"{n}: {v:.1f} ms ({v / full:.2f}x full width, {v / costs['batch8_ms']:.2f}x"
+            " one token a row)" for n, v in costs["packed_ms"].items()), flush=True)
   # No EOS stop, so every row decodes exactly max_new_tokens, as torch does.
   target.config = target.config.replace(eos_id=-1)
   torch_model = None

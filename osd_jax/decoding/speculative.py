@@ -221,6 +221,12 @@ def verify_pass(target_params, target_config: LlamaConfig, verify_BxT,
   into a branch.
   """
   full = verify_BxT.shape[1]
+  if len(widths) == 1:  # no choice: write, then attend, in place (llama.forward)
+    # On the 2-core EPYC at batch 8 this is 42.5 ms a 1-token step, against
+    # 53.6 ms reading with `score` and writing after.
+    hidden, cache = llama.forward(target_params, target_config, verify_BxT, cache,
+                                  window=window)
+    return hidden, llama.logits(target_params, target_config, hidden), cache
 
   def at_width(w):
     hidden, new = llama.score(target_params, target_config, verify_BxT[:, :w],
@@ -303,7 +309,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   widths = verify_widths(k) if trim_verify else (k + 1,)
   counts = jnp.where(state.done, 0, proposal.num_proposed + 1)
   needed = jnp.maximum(jnp.max(counts), 1)
-  if trim_verify and counts.shape[0] > 1:
+  if trim_verify and counts.shape[0] > 1 and k:  # k = 0: nothing to pack
     hidden, target_logits, target_cache = verify_packed(
         target_params, target_config, verify, state.target_cache, window, counts)
   else:
