@@ -99,7 +99,7 @@ def lockstep_vs_continuous(target, draft, k, batch):
     tokens, calls, batch_calls = 0, 0, 0
     for start in range(0, len(ids), batch):
       part = ids[start:start + batch]
-      width = slots.bucket(max(len(p) for p in part), 512)
+      width = slots.prompt_bucket(max(len(p) for p in part), 512)
       prompts, lens, is_real = pad_prompts(part, batch, width, target.config.pad_id)
       state = run(tparams, draft.params, jnp.asarray(prompts), jnp.asarray(lens),
                   jax.random.key(0))

@@ -199,11 +199,20 @@ def test_prompt_that_just_fits(model, k):
   assert result.token_ids == naive_greedy(model, prompt[0], 12 - k)
 
 
+def test_prompt_buckets_are_half_octaves():
+  """Prompts pad to powers of two or the midpoints: at most 1.5x their length
+  past 64 tokens; windows keep powers of two."""
+  assert [slots.prompt_bucket(n, 4096) for n in (1, 64, 65, 96, 97, 129, 193, 257, 385)] \
+      == [64, 64, 96, 96, 128, 192, 256, 384, 512]
+  assert all(slots.prompt_bucket(n, 4096) < 1.5 * n for n in range(65, 4097))
+  assert slots.bucket(65, 4096) == 128
+
+
 def test_prompt_bucket_never_outgrows_the_context():
   """97 tokens would pad to a bucket of 128 > 100 positions: the bucket is cut."""
   short = tiny_model(max_positions=100)
   prompt = prompts_of_lengths([97])
-  assert slots.bucket(97, short.config.max_positions) == 100
+  assert slots.prompt_bucket(97, short.config.max_positions) == 100
   assert generate(short, prompt, max_new_tokens=3) == [naive_greedy(short, prompt[0], 3)]
 
 
@@ -359,7 +368,7 @@ def test_long_stream_compiles_once_per_bucket_and_window(model, monkeypatch):
   for key, built in calls:
     assert built <= (key not in seen), (key, built)
     seen.add(key)
-  assert {w for (name, w) in seen if name == "insert"} == {64, 128}
+  assert {w for (name, w) in seen if name == "insert"} == {64, 96}
   assert len({w for (name, w) in seen if name == "generate"}) >= 2
 
 

@@ -240,8 +240,8 @@ def admit(step, mesh, target_params, state, requests: dict):
     picks = {}
     for s in sorted(pending):
       picks.setdefault(s // per_device, s)
-    width = slot_lib.bucket(max(len(pending[s]) for s in picks.values()),
-                            step.cfg.cache_size)
+    width = slot_lib.prompt_bucket(max(len(pending[s]) for s in picks.values()),
+                                   step.cfg.cache_size)
     prompts = np.zeros((devices, width), np.int32)
     lens = np.ones((devices,), np.int32)
     slot = np.full((devices,), -1, np.int32)
@@ -276,7 +276,7 @@ def outputs_of(state, slots) -> dict:
 
 # The main stream: repeated prompts of both buckets, 1 device and 8 ----------
 
-CACHE = 128  # prompt buckets 64 and 128, attention windows 64 and 128
+CACHE = 128  # prompt buckets 64 and 96, attention windows 64 and 128
 SLOTS = 16
 PROMPTS = random_prompts((3, 70, 6, 11, 95, 20, 33, 47), seed=2)
 # Five rounds of the same eight prompts (learning shows on repeats), then
@@ -314,7 +314,7 @@ def test_every_request_equals_its_greedy_decoding_alone(single, multi):
   requests than slots, and the draft changing under them."""
   lengths = [len(greedy(p)) for p in PROMPTS]
   assert len(set(lengths)) >= 3 and min(lengths) < MAX_NEW, lengths  # EOS varies
-  assert {slot_lib.bucket(len(p), CACHE) for p in PROMPTS} == {64, 128}
+  assert {slot_lib.prompt_bucket(len(p), CACHE) for p in PROMPTS} == {64, 96}
   assert len(QUERIES) > 2 * SLOTS
   for run in (single, multi):
     outputs = run["tap"].outputs
@@ -394,7 +394,7 @@ def test_no_recompilation_as_the_stream_goes_on(single, multi):
   for run, slots_per_device in ((single, SLOTS), (multi, SLOTS // 8)):
     programs = run["tap"].programs
     names = {p for p, _, _ in programs}
-    assert {p for p in names if p[0] == "insert"} == {("insert", 64), ("insert", 128)}
+    assert {p for p in names if p[0] == "insert"} == {("insert", 64), ("insert", 96)}
     serves = {p[1:] for p in names if p[0] == "serve"}
     assert {window for window, _ in serves} == {64, 128}
     # The stream ends with fewer requests than slots: calls over fewer slots.

@@ -157,7 +157,7 @@ class Engine:
       for slot in range(self.num_slots):
         if owner[slot] is None and queue:
           index, ids = queue.popleft()
-          width = slots.bucket(len(ids), cache_size)
+          width = slots.prompt_bucket(len(ids), cache_size)
           prompt = np.full((1, width), self.target.config.pad_id, np.int32)
           prompt[0, :len(ids)] = ids
           timing[index]["admitted"] = time.perf_counter()

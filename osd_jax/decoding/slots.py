@@ -22,17 +22,31 @@ from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
 
-# Prompt widths and attention windows are rounded up to one of these, capped
-# at the cache size: one compiled program per bucket in use.
+# Attention windows (and the engine's cache) are rounded up to one of these,
+# capped at the cache size: one compiled program per bucket in use.
 BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def bucket(size: int, cap: int) -> int:
+# Prompt widths also take the midpoints (96, 192, 384, ...). Prefill is
+# compute-bound on a CPU (SmolLM2 on 2 cores: about 1.4 ms a padded token),
+# so padding costs what it holds: the main job's 240 prompts (26,232 tokens)
+# padded to 39,488 at powers of two and to 32,320 with the midpoints, for 2
+# more programs. Windows keep powers of two: a serving program compiles for
+# minutes (one per window), an insert for seconds.
+PROMPT_BUCKETS = tuple(sorted(set(BUCKETS) | {b * 3 // 2 for b in BUCKETS[:-1]}))
+
+
+def bucket(size: int, cap: int, buckets: tuple[int, ...] = BUCKETS) -> int:
   """The smallest bucket >= size, or `cap` (the cache size) beyond them."""
-  for b in BUCKETS:
+  for b in buckets:
     if b >= size:
       return min(b, cap)
   return cap
+
+
+def prompt_bucket(size: int, cap: int) -> int:
+  """The width a prompt of `size` tokens is padded to for its prefill."""
+  return bucket(size, cap, PROMPT_BUCKETS)
 
 
 def batch_bucket(used: int, num_slots: int) -> int:

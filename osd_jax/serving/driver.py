@@ -115,7 +115,7 @@ def warm_up(step: online.Step, target_params, state: online.OnlineState,
   state, so timing a stream afterwards measures serving, not compiling.
   """
   cfg = step.cfg
-  widths = sorted({slot_lib.bucket(n, cfg.cache_size) for n in prompt_lens
+  widths = sorted({slot_lib.prompt_bucket(n, cfg.cache_size) for n in prompt_lens
                    if cfg.fits(n)})
   if not widths:
     return
@@ -338,8 +338,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
           picks.append((device, free[0], index))
       if not picks:
         return
-      width = slot_lib.bucket(max(len(ids_of(i)) for _, _, i in picks),
-                              cfg.cache_size)
+      width = slot_lib.prompt_bucket(max(len(ids_of(i)) for _, _, i in picks),
+                                     cfg.cache_size)
       prompts = np.full((devices, width), target.config.pad_id, np.int32)
       lens = np.ones((devices,), np.int32)
       slot = np.full((devices,), -1, np.int32)

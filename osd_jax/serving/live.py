@@ -181,8 +181,8 @@ class LiveEngine:
     # warm_up covers prompts that fit with cfg.max_new_tokens; a request that
     # asks for fewer may bring a longer prompt, in a wider bucket.
     longest = cfg.cache_size - cfg.k - 1
-    widths = {slot_lib.bucket(n, cfg.cache_size) for n in range(1, longest + 1)}
-    widths -= {slot_lib.bucket(n, cfg.cache_size) for n in range(1, longest + 1)
+    widths = {slot_lib.prompt_bucket(n, cfg.cache_size) for n in range(1, longest + 1)}
+    widths -= {slot_lib.prompt_bucket(n, cfg.cache_size) for n in range(1, longest + 1)
                if cfg.fits(n)}
     for width in sorted(widths):
       self._insert_nothing(width)
@@ -288,8 +288,8 @@ class LiveEngine:
           picks.append((device, free[0], self._pending.popleft()))
       if not picks:
         return
-      width = slot_lib.bucket(max(len(r.prompt_ids) for _, _, r in picks),
-                              cfg.cache_size)
+      width = slot_lib.prompt_bucket(max(len(r.prompt_ids) for _, _, r in picks),
+                                     cfg.cache_size)
       prompts = np.full((devices, width), self.target.config.pad_id, np.int32)
       lens, budgets = np.ones(devices, np.int32), np.ones(devices, np.int32)
       slot, routes = np.full(devices, -1, np.int32), np.zeros(devices, np.int32)
