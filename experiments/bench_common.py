@@ -106,6 +106,37 @@ def packed_timer(params, config, batch: int, k: int, positions: int, *,
   return _step_timer(verify, params, config, batch, k + 1, filled, window, steps)
 
 
+def attention_timer(config, batch: int, num_tokens: int, *, filled: int = 100,
+                    window: int = 256, steps: int = 8):
+  """Like forward_timer, for attention alone: every layer's queries of
+  num_tokens new tokens a row against its cache (llama.attend_cached, as
+  verification runs it), no weights."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
+  b, t, h, kv, d = batch, num_tokens, config.num_heads, config.num_kv_heads, config.head_dim
+  cache = config.init_cache(b, window).with_lengths(jnp.full((b,), filled, jnp.int32))
+  new_kv = jnp.ones((b, t, kv, d), cache.v[0].dtype)
+
+  def run(q):
+    def body(_, q):
+      for keys, values in zip(cache.k, cache.v):  # each layer's own cache
+        q = q + 1e-3 * llama.attend_cached(q, new_kv, new_kv, keys, values, cache.lengths,
+                                           kv).reshape(q.shape)
+      return q
+    return jax.lax.fori_loop(0, steps, body, q)
+
+  run = jax.jit(run)
+  q = jnp.ones((b, t, h, d), cache.v[0].dtype)
+  jax.block_until_ready(run(q))
+
+  def call() -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(run(q))
+    return (time.perf_counter() - start) / steps
+
+  return call
+
+
 def _step_timer(step, params, config, batch, num_tokens, filled, window, steps):
   """The timed callable of forward_timer, for `step(params, tokens, cache)`
   -> (logits, cache)."""

@@ -13,7 +13,8 @@ All in one run:
   longest proposal needs 1..5 positions, against the plain forward on 5;
 - at batch 8, k = 4, the packed verification pass (--trim_verify over
   several slots) when the rows' proposals fill 8..40 positions in all,
-  against the plain forward on 5 tokens a row (40 positions);
+  against the plain forward on 5 tokens a row (40 positions), and what
+  attention alone costs there at 1 and 5 positions a row;
 - end-to-end greedy tokens/s of the slot engine (k = 0) and of transformers'
   `generate` on the same weights, at each batch size.
 Goals: batch-1 step >= 0.85 of the bandwidth limit; v(4) <= 1.3; batch 8 <=
@@ -48,6 +49,8 @@ def step_costs(target) -> dict:
   timers[(8, TRIM_K + 1)] = bench_common.forward_timer(params, config, 8, TRIM_K + 1)
   timers.update({("packed", n): bench_common.packed_timer(params, config, 8, TRIM_K, n)
                  for n in PACKED_POSITIONS})
+  timers.update({("attention", t): bench_common.attention_timer(config, 8, t)
+                 for t in (1, TRIM_K + 1)})
   ms = {case: 1e3 * s for case, s in
         bench_common.interleaved_seconds(timers, REPEATS.value).items()}
   return {"weight_mb": weights / 1e6, "bandwidth_gb_s": gb_s,
@@ -56,7 +59,8 @@ def step_costs(target) -> dict:
           "batch8_ms": ms[(8, 1)],
           "trimmed_ms": {w: ms[("trimmed", w)] for w in range(1, TRIM_K + 2)},
           "batch8_full_ms": ms[(8, TRIM_K + 1)],
-          "packed_ms": {n: ms[("packed", n)] for n in PACKED_POSITIONS}}
+          "packed_ms": {n: ms[("packed", n)] for n in PACKED_POSITIONS},
+          "attention_ms": {t: ms[("attention", t)] for t in (1, TRIM_K + 1)}}
 
 
 def engine_tps(target, prompt_ids, max_new_tokens) -> tuple[float, float, list]:
@@ -99,6 +103,10 @@ def main(argv):
         f" (full width {8 * (TRIM_K + 1)}: {full:.1f} ms): " + ", ".join(
             f"{n}: {v:.1f} ms ({v / full:.2f}x full width, {v / costs['batch8_ms']:.2f}x"
             " one token a row)" for n, v in costs["packed_ms"].items()), flush=True)
+  attn = costs["attention_ms"]
+  print(f"of which attention (every layer, batch 8, no weights): {attn[1]:.1f} ms at 1"
+        f" position a row, {attn[TRIM_K + 1]:.1f} ms at {TRIM_K + 1}: a packed pass"
+        f" still attends from all {TRIM_K + 1} positions of every row", flush=True)
   # No EOS stop, so every row decodes exactly max_new_tokens, as torch does.
   target.config = target.config.replace(eos_id=-1)
   torch_model = None
