@@ -115,23 +115,27 @@ def attention_timer(config, batch: int, num_tokens: int, *, filled: int = 100,
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
   b, t, h, kv, d = batch, num_tokens, config.num_heads, config.num_kv_heads, config.head_dim
   cache = config.init_cache(b, window).with_lengths(jnp.full((b,), filled, jnp.int32))
+  # Random entries, passed in: a cache closed over would be a constant of the program.
+  keys = jax.random.split(jax.random.key(0), 2)
+  cache = cache.replace(k=tuple(jax.random.normal(keys[0], x.shape, x.dtype) for x in cache.k),
+                        v=tuple(jax.random.normal(keys[1], x.shape, x.dtype) for x in cache.v))
   new_kv = jnp.ones((b, t, kv, d), cache.v[0].dtype)
 
-  def run(q):
+  def run(q, cache):
     def body(_, q):
-      for keys, values in zip(cache.k, cache.v):  # each layer's own cache
-        q = q + 1e-3 * llama.attend_cached(q, new_kv, new_kv, keys, values, cache.lengths,
-                                           kv).reshape(q.shape)
+      for layer_k, layer_v in zip(cache.k, cache.v):  # each layer's own cache
+        q = q + 1e-3 * llama.attend_cached(q, new_kv, new_kv, layer_k, layer_v,
+                                           cache.lengths, kv).reshape(q.shape)
       return q
     return jax.lax.fori_loop(0, steps, body, q)
 
   run = jax.jit(run)
   q = jnp.ones((b, t, h, d), cache.v[0].dtype)
-  jax.block_until_ready(run(q))
+  jax.block_until_ready(run(q, cache))
 
   def call() -> float:
     start = time.perf_counter()
-    jax.block_until_ready(run(q))
+    jax.block_until_ready(run(q, cache))
     return (time.perf_counter() - start) / steps
 
   return call
