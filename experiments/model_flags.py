@@ -26,6 +26,14 @@ DRAFT = flags.DEFINE_string(
 HYBRID = flags.DEFINE_bool(
     "hybrid", False, "Propose the n-gram continuation wherever the context has"
     " a match, and the learned draft elsewhere.")
+HYBRID_DRAFT_COST = flags.DEFINE_float(
+    "hybrid_draft_cost", None,
+    "With --hybrid: the learned draft's pass as a fraction of a target step."
+    " The hybrid runs the draft where lookup misses only while the draft tokens"
+    " it gets accepted outweigh that cost (and on each request's first steps,"
+    " to keep measuring a draft that learns). Default: the ratio of the weights"
+    " a token reads in each (what it costs where decoding is memory-bound)."
+    " 0 runs the draft wherever lookup misses.", lower_bound=0.0, upper_bound=0.99)
 WARM_START = flags.DEFINE_enum(
     "warm_start", "none", ["none", "chat"],
     "Start a learned draft distilled on general chat text (ShareGPT, teacher-"
@@ -85,8 +93,10 @@ def serve_with_the_best_draft() -> None:
   picked (README, "Every draft kind"). The derived draft, warm-started on chat
   text, behind n-gram lookup wherever the context has a match; it proposes
   only draws it gave at least 0.7, so where lookup finds nothing a step often
-  proposes nothing and verification (trimmed) costs one target step. Lookup
-  also searches the last 64 requests the device served. Call at
+  proposes nothing and verification (trimmed) costs one target step; and
+  the draft runs there only while its accepted tokens pay for its pass
+  (--hybrid_draft_cost). Lookup also searches the last 64 requests the
+  device served. Call at
   import time, before flags parse."""
   flags.set_default(HYBRID, True)
   flags.set_default(WARM_START, "chat")
@@ -166,8 +176,12 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
         draft.drafter, confidence_threshold=DRAFT_CONFIDENCE.value,
         stop_before_unconfident=stop_before))
   if hybrid:
-    return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup), draft.params,
+    cost = HYBRID_DRAFT_COST.value
+    if cost is None:
+      cost = draft.drafter.config.decode_params() / target.config.decode_params()
+    return drafts.Draft(drafts.HybridDraft(draft.drafter, lookup, cost), draft.params,
                         f"{draft.source} + ngram"
+                        + (f", gated at {cost:.3f} of a target step" if cost else "")
                         + (f" (and {NGRAM_HISTORY.value} served requests)"
                            if NGRAM_HISTORY.value else ""))
   return draft

@@ -79,6 +79,13 @@ class LlamaConfig:
     head = 0 if self.tie_embeddings else d * self.head_size
     return self.vocab_size * d + self.num_layers * per_layer + d + head
 
+  def decode_params(self) -> int:
+    """Parameters one decoded token reads: every layer and the head. An
+    untied embedding table is only gathered from (a row a token); a tied one
+    is the head, read whole."""
+    gathered_only = 0 if self.tie_embeddings else self.vocab_size * self.hidden_dim
+    return self.num_params() - gathered_only
+
 
 def tiny(vocab_size: int = 64, num_layers: int = 2, **overrides) -> LlamaConfig:
   """A small random-init config for tests and CPU smoke runs."""

@@ -39,6 +39,11 @@ class FeatureConfig:
   def init_cache(self, batch_size: int, cache_size: int) -> KVCache:
     return self.target.replace(num_layers=1).init_cache(batch_size, cache_size)
 
+  def decode_params(self) -> int:
+    """What one draft step reads: fc, the block and the head's rows."""
+    d = self.target.hidden_dim
+    return 2 * d * d + self.head_config.replace(num_layers=1).decode_params()
+
 
 def init_params(target_params: dict, target_config: LlamaConfig) -> dict:
   """fc sums the embedding and the feature; the block starts as the target's last."""

@@ -74,11 +74,21 @@ class Forced:
 
   tokens: jax.Array  # [B, k]
   counts: jax.Array  # [B] how many of them are proposed; 0: the drafter's own row
+  # [B] rows the drafter need not serve at all (None: none): it proposes
+  # nothing of its own there and is not fed their tokens, so a pass run for a
+  # few rows does not first catch up on every row; a later proposal does.
+  idle: jax.Array | None = None
 
   @property
   def is_forced(self) -> jax.Array:
     """[B] rows whose proposal is replaced."""
     return self.counts > 0
+
+  @property
+  def is_served(self) -> jax.Array:
+    """[B] rows whose proposal is the drafter's own."""
+    own = ~self.is_forced
+    return own if self.idle is None else own & ~self.idle
 
 
 class Drafter(Protocol):
@@ -158,8 +168,9 @@ def apply_forced(proposal: Proposal, forced: Forced | None,
   if forced is None:
     return proposal
   row = forced.is_forced[:, None]
+  own = jnp.where(forced.is_served, proposal.num_proposed, 0)
   return proposal.replace(
-      num_proposed=jnp.where(forced.is_forced, forced.counts, proposal.num_proposed),
+      num_proposed=jnp.where(forced.is_forced, forced.counts, own),
       tokens=jnp.where(row, forced.tokens, proposal.tokens),
       logits=jnp.where(row[..., None], one_hot_logits(forced.tokens, vocab_size),
                        proposal.logits))

@@ -3,7 +3,9 @@
 Code and SQL answers copy names from their prompts; where lookup finds
 nothing the learned draft proposes instead. The base drafter is fed the
 chosen tokens, so its proposal is consistent with what was proposed.
-A lookup with a history keeps its ring beside the base's state.
+A lookup with a history keeps its ring beside the base's state, and a
+gated hybrid (`draft_cost` > 0) its gate: the base then runs only while its
+accepted tokens pay for its pass (drafts/gate.py).
 """
 
 import dataclasses
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from osd_jax.decoding.drafts.base import Context, Forced, Proposal, one_hot_logits
+from osd_jax.decoding.drafts.gate import Gate
 from osd_jax.decoding.drafts.ngram import NGramDraft
 
 
@@ -22,6 +25,14 @@ class HybridDraft:
 
   base: Any  # a Drafter with parameters
   ngram: NGramDraft
+  # The base's pass as a fraction of a target step; 0 runs it wherever
+  # lookup misses in some row, whatever it yields.
+  draft_cost: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.draft_cost < 1.0:
+      raise ValueError(f"The hybrid's draft cost is a fraction of a target step in"
+                       f" [0, 1), got {self.draft_cost}.")
 
   @property
   def needs_hidden(self) -> bool:
@@ -35,42 +46,63 @@ class HybridDraft:
     return self.base.prepare(params, target_params)
 
   def _split(self, state):
-    """(the base's state, the lookup's): the lookup has one only with a history."""
-    return state if self.ngram.history else (state, ())
+    """(the base's state, the lookup's, the gate): the lookup has one only
+    with a history, the gate is None unless gated."""
+    if not (self.ngram.history or self.draft_cost):
+      return state, (), None
+    base, *rest = state
+    lookup = rest.pop(0) if self.ngram.history else ()
+    return base, lookup, rest.pop(0) if self.draft_cost else None
 
-  def _join(self, base, lookup):
-    return (base, lookup) if self.ngram.history else base
+  def _join(self, base, lookup, gate):
+    extra = (((lookup,) if self.ngram.history else ())
+             + ((gate,) if self.draft_cost else ()))
+    return (base,) + extra if extra else base
 
   def init_state(self, batch_size, cache_size):
     return self._join(self.base.init_state(batch_size, cache_size),
-                      self.ngram.init_state(batch_size, cache_size))
+                      self.ngram.init_state(batch_size, cache_size),
+                      Gate.empty(batch_size))
 
   def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD=None):
-    base, lookup = self._split(state)
+    base, lookup, gate = self._split(state)
     return self._join(self.base.prefill(params, base, prompts_BxP, prompt_lens_B,
-                                        hidden_BxPxD), lookup)
+                                        hidden_BxPxD), lookup, gate)
 
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
-    """When lookup covers every row the base draft is skipped: its state
-    then lags the committed tokens, and its next proposal catches up."""
-    base, lookup = self._split(state)
+    """When the base does not run (lookup covers every row, or the gate is
+    closed) its state lags the committed tokens; its next proposal catches up."""
+    base, lookup, gate = self._split(state)
     tokens, counts = self.ngram.lookup(ctx, k, lookup)
+    missed = counts == 0
+    if gate is None:  # the base serves every row lookup missed, and is fed the rest
+      forced = Forced(tokens, counts)
+      run = jnp.any(missed)
+    else:  # only the rows the gate lets it serve; the others stay idle
+      serves = gate.serves(missed, self.draft_cost)
+      forced = Forced(tokens, counts, idle=~serves)
+      run = jnp.any(serves)
+      gate = gate.proposed(serves)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
                                     counts), base)
     with_base = lambda: self.base.propose(params, base, ctx, rng_B, k, sampling,
-                                          window, forced=Forced(tokens, counts))
-    proposal, base = jax.lax.cond(jnp.all(counts > 0), lookup_only, with_base)
-    return proposal, self._join(base, lookup)
+                                          window, forced=forced)
+    proposal, base = jax.lax.cond(run, with_base, lookup_only)
+    return proposal, self._join(base, lookup, gate)
 
   def commit(self, params, state, verified, window):
-    base, lookup = self._split(state)
-    return self._join(self.base.commit(params, base, verified, window), lookup)
+    base, lookup, gate = self._split(state)
+    if gate is not None:
+      gate = gate.after(verified.kept, True if verified.own is None else verified.own)
+    return self._join(self.base.commit(params, base, verified, window), lookup, gate)
 
   def insert_row(self, state, row, one, leaving=None):
-    (base, lookup), (one_base, one_lookup) = self._split(state), self._split(one)
+    (base, lookup, gate), (one_base, one_lookup, _) = self._split(state), self._split(one)
     return self._join(self.base.insert_row(base, row, one_base, leaving),
-                      self.ngram.insert_row(lookup, row, one_lookup, leaving))
+                      self.ngram.insert_row(lookup, row, one_lookup, leaving),
+                      None if gate is None else gate.insert_row(row))
 
   def at_full_width(self):
-    return HybridDraft(self.base.at_full_width(), self.ngram.at_full_width())
+    return dataclasses.replace(self, base=self.base.at_full_width(),
+                               ngram=self.ngram.at_full_width())

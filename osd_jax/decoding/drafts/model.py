@@ -79,7 +79,9 @@ class ModelDraft:
               sampling: Sampling, window, forced: Forced | None = None):
     """k draws, each fed back (or the forced token, for the hybrid's rows)."""
     pick = token_picker(rng_B, k, sampling, forced)
-    first_logits, cache = self.catch_up(params, cache, ctx, k + 1, window)
+    idle = None if forced is None else forced.idle
+    first_logits, cache = self.catch_up(params, cache, ctx, k + 1, window, idle)
+    caught_up = cache.lengths
 
     def draw(i, token, cache):
       logits, cache = llama.apply(params, self.config, token[:, None], cache,
@@ -101,9 +103,12 @@ class ModelDraft:
       logits = jnp.concatenate([first_logits[:, None], jnp.swapaxes(logits, 0, 1)],
                                axis=1)
       proposal = Proposal(tokens, logits, jnp.full(ctx.lengths.shape, k, jnp.int32))
+    if idle is not None:  # their draws, fed after a partial catch-up, are dropped
+      cache = cache.with_lengths(jnp.where(idle, caught_up, cache.lengths))
     return apply_forced(proposal, forced, self.config.vocab_size), cache
 
-  def catch_up(self, params, cache: KVCache, ctx: Context, chunk: int, window):
+  def catch_up(self, params, cache: KVCache, ctx: Context, chunk: int, window,
+               idle=None):
     """Feeds c_L..c_m: (logits after c_m [B, V], the cache holding c_0..c_m).
 
     Lags longer than `chunk` (k + 1) first advance `chunk` tokens a pass.
@@ -113,8 +118,11 @@ class ModelDraft:
     shorter rest also reads tokens past c_m, whose entries lie beyond its
     length and at most k past c_m, where verification writes anyway. The
     branches only read the cache (llama.score): it is written after them.
+    `idle` rows [B] need not catch up: the passes run for the other rows
+    move them on as far as they reach (their logits are not theirs).
     """
     m = ctx.lengths
+    needs = True if idle is None else ~idle
 
     def feed(cache, width):
       idx = cache.lengths[:, None] + jnp.arange(width)[None, :]
@@ -127,25 +135,27 @@ class ModelDraft:
                              window=window)
       return fed.with_lengths(jnp.where(far, cache.lengths + chunk, cache.lengths))
 
-    cache = jax.lax.while_loop(lambda c: jnp.any(m + 1 - c.lengths > chunk), advance,
-                               cache)
+    cache = jax.lax.while_loop(
+        lambda c: jnp.any(needs & (m + 1 - c.lengths > chunk)), advance, cache)
     rest = m + 1 - cache.lengths
 
     def at_width(w):
+      reached = jnp.minimum(rest, w)
       hidden, new = llama.score(params, self.config, feed(cache, w), cache,
                                 window=window)
-      last = jnp.take_along_axis(hidden, (rest - 1)[:, None, None], axis=1)
-      return last, new.padded_to(chunk)
+      last = jnp.take_along_axis(hidden, (reached - 1)[:, None, None], axis=1)
+      return last, new.padded_to(chunk), cache.lengths + reached
 
-    last, new = at_smallest_width(tuple(range(1, chunk + 1)), jnp.max(rest), at_width)
-    cache = cache.append(new, starts_B=cache.lengths).with_lengths(m + 1)
+    last, new, lengths = at_smallest_width(
+        tuple(range(1, chunk + 1)), jnp.max(jnp.where(needs, rest, 1)), at_width)
+    cache = cache.append(new, starts_B=cache.lengths).with_lengths(lengths)
     return llama.logits(params, self.config, last)[:, 0], cache
 
   def _draw_while_confident(self, draw, first, first_logits, cache, k: int,
                             sampling, forced):
     """Up to k draws; the loop ends when no row is still confident."""
     b = first.shape[0]
-    going = jnp.ones((b,), bool) if forced is None else ~forced.is_forced
+    going = jnp.ones((b,), bool) if forced is None else forced.is_served
 
     def record(i, nxt, step_logits, tokens, logits, counts, going):
       q_x = jnp.take_along_axis(sampling.probs(step_logits), nxt[:, None], axis=1)[:, 0]

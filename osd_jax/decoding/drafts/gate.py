@@ -1,0 +1,78 @@
+"""When the hybrid's learned draft pays for its pass.
+
+Where lookup finds no match the hybrid runs its learned draft, and that pass
+costs time whether or not its tokens are accepted. The gate runs it only
+while what it has been yielding pays for it: its accepted tokens, a fraction
+of the batch's, must exceed its cost, a fraction of a target step.
+
+Per row (a slot; the statistics outlive its requests) it keeps running
+means of the draft tokens accepted on the steps the draft proposed for the
+row, and of the tokens the row emits a step. A step runs the draft for the rows lookup missed when
+
+    sum over rows lookup missed of accepted  >  cost * sum over live rows of emitted,
+
+and, so that a closed gate goes on measuring a draft that learns, for the
+requests in their first steps (the draft's cache is fresh there: little to
+catch up). The rows it does not serve stay idle. The decision reads only past steps and this step's lookup, never this
+step's draws, so rejection sampling stays exact.
+"""
+
+import flax
+import jax
+import jax.numpy as jnp
+
+# Weight of the newest step in the running means (about the last 10 steps).
+RATE = 0.1
+# Steps of each request on which the draft runs wherever lookup misses.
+EXPLORE_STEPS = 2
+
+
+@flax.struct.dataclass
+class Gate:
+  """Per row: what the learned draft has been yielding, and what the row is."""
+
+  accepted: jax.Array  # [B] mean draft tokens accepted a step the draft proposed
+  emitted: jax.Array  # [B] mean tokens emitted a step
+  age: jax.Array  # [B] steps since the row's request was inserted
+  live: jax.Array  # [B] the row emitted at its last step (or was just inserted)
+  own: jax.Array  # [B] the row is this drafter's (a per-category copy's rows)
+  ran: jax.Array  # [B] the draft proposed for the row this step
+
+  @classmethod
+  def empty(cls, batch_size: int) -> "Gate":
+    """Optimistic: the draft starts as if every proposal were accepted once."""
+    b = batch_size
+    return cls(jnp.ones((b,), jnp.float32), jnp.ones((b,), jnp.float32),
+               jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool),
+               jnp.ones((b,), bool), jnp.zeros((b,), bool))
+
+  def serves(self, missed: jax.Array, cost: float) -> jax.Array:
+    """[B] rows the draft proposes for this step, of those lookup `missed`:
+    all of them while the draft pays, else only requests still exploring
+    (the rest stay idle: the pass does not catch up on them)."""
+    wanted = missed & self.live & self.own
+    gain = jnp.where(wanted, self.accepted, 0.0).sum()
+    spent = cost * jnp.where(self.live & self.own, self.emitted, 0.0).sum()
+    return wanted & ((gain > spent) | (self.age < EXPLORE_STEPS))
+
+  def proposed(self, ran: jax.Array) -> "Gate":
+    """This step's rows the draft proposed for (measured at `after`)."""
+    return self.replace(ran=ran)
+
+  def after(self, kept: jax.Array, own: jax.Array | bool) -> "Gate":
+    """The statistics after a step that kept `kept` [B] tokens a row."""
+    own = jnp.broadcast_to(own, kept.shape)
+    emitting = own & (kept > 0)
+    measured = emitting & self.ran
+    mean = lambda old, new, where: jnp.where(where, old + RATE * (new - old), old)
+    return self.replace(
+        accepted=mean(self.accepted, jnp.maximum(kept - 1, 0).astype(jnp.float32),
+                      measured),
+        emitted=mean(self.emitted, kept.astype(jnp.float32), emitting),
+        age=self.age + 1, live=kept > 0, own=own,
+        ran=jnp.zeros_like(self.ran))
+
+  def insert_row(self, row: jax.Array) -> "Gate":
+    """A new request in `row`: its means stay (they describe the slot's draft)."""
+    return self.replace(age=self.age.at[row].set(0), live=self.live.at[row].set(True),
+                        own=self.own.at[row].set(True))

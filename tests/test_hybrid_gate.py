@@ -1,0 +1,99 @@
+"""The hybrid's gate: the learned draft runs only while its tokens pay for its pass."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from osd_jax.checkpoints import draft as draft_lib
+from osd_jax.decoding.drafts import Draft, HybridDraft, ModelDraft, NGramDraft
+from osd_jax.decoding.drafts.gate import EXPLORE_STEPS, Gate
+from osd_jax.decoding.engine import Engine
+from tests.test_generation import VOCAB, prompts_of_lengths, tiny_model, with_eos
+
+MAX_NEW = 40  # enough steps for a closed gate to show
+
+
+def gate(accepted, emitted, age=(9, 9), live=(True, True), own=(True, True)):
+  return Gate(jnp.array(accepted, jnp.float32), jnp.array(emitted, jnp.float32),
+              jnp.array(age, jnp.int32), jnp.array(live), jnp.array(own),
+              jnp.zeros((len(age),), bool))
+
+
+def test_serves_the_missed_rows_while_their_accepted_tokens_outweigh_the_cost():
+  missed = jnp.array([True, False])
+  # Row 0 yields 0.3 a step; both rows emit 2: the pass pays below cost 0.075.
+  assert gate([0.3, 5.0], [2.0, 2.0]).serves(missed, cost=0.07).tolist() == [True, False]
+  assert not gate([0.3, 5.0], [2.0, 2.0]).serves(missed, cost=0.08).any()
+  # Only rows lookup missed count: row 1's yield does not open it.
+  assert not gate([0.0, 5.0], [2.0, 2.0]).serves(missed, cost=0.01).any()
+  # No row missed: nothing to serve, however good the draft.
+  assert not gate([5.0, 5.0], [1.0, 1.0]).serves(jnp.array([False, False]), 0.01).any()
+
+
+def test_finished_and_foreign_rows_are_not_served():
+  missed = jnp.array([True, True])
+  dead = gate([5.0, 5.0], [1.0, 1.0], live=(False, False))
+  assert not dead.serves(missed, cost=0.1).any()
+  foreign = gate([5.0, 0.0], [1.0, 1.0], own=(False, True))
+  assert not foreign.serves(missed, cost=0.1).any()
+
+
+def test_a_closed_gate_serves_only_requests_still_exploring():
+  missed = jnp.array([True, True])
+  young = gate([0.0, 0.0], [2.0, 2.0], age=(EXPLORE_STEPS - 1, EXPLORE_STEPS))
+  assert young.serves(missed, cost=0.5).tolist() == [True, False]
+  opened = gate([3.0, 3.0], [2.0, 2.0], age=(EXPLORE_STEPS - 1, EXPLORE_STEPS))
+  assert opened.serves(missed, cost=0.5).tolist() == [True, True]
+
+
+def test_means_move_only_where_measured():
+  g = gate([1.0, 1.0], [1.0, 1.0]).proposed(jnp.array([True, False]))
+  after = g.after(jnp.array([3, 0]), own=True)
+  np.testing.assert_allclose(after.accepted, [1.0 + 0.1 * (2 - 1.0), 1.0])
+  np.testing.assert_allclose(after.emitted, [1.0 + 0.1 * (3 - 1.0), 1.0])
+  assert after.live.tolist() == [True, False] and not after.ran.any()
+  inserted = after.insert_row(jnp.int32(1))
+  assert inserted.age.tolist() == [10, 0] and inserted.live.tolist() == [True, True]
+  np.testing.assert_allclose(inserted.accepted, after.accepted)  # the slot's
+
+
+@pytest.fixture(scope="module")
+def target():
+  model = tiny_model()
+  return with_eos(model, VOCAB - 1)  # an EOS it rarely emits: long answers
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  return prompts_of_lengths((3, 7, 5, 9, 4, 6), seed=11)
+
+
+def serve(target, draft, prompts, draft_cost=None):
+  """(greedy token ids per prompt, drafted tokens proposed in all) over 2 slots."""
+  drafter = NGramDraft(VOCAB, max_ngram=3, min_ngram=3)  # lookup misses often
+  if draft is not None:
+    drafter = HybridDraft(ModelDraft(draft.config), drafter, draft_cost or 0.0)
+    draft = Draft(drafter, draft.params, "hybrid")
+  else:
+    draft = Draft(drafter, (), "lookup")
+  results = Engine(target, draft, k=3, max_new_tokens=MAX_NEW,
+                   num_slots=2).generate_ids(prompts)
+  return [r.token_ids for r in results], sum(r.metrics["proposed"] for r in results)
+
+
+def test_gate_closes_on_a_useless_draft_and_stays_open_on_a_good_one(target, prompts):
+  greedy, _ = serve(target, None, prompts)
+  useless = with_eos(tiny_model(seed=7, num_layers=1), target.config.eos_id)
+  exact = draft_lib.derive(target, list(range(target.config.num_layers)))
+  counts = {}
+  for name, draft in (("useless", useless), ("exact", exact)):
+    for cost in (None, 0.3):
+      tokens, counts[name, cost] = serve(target, draft, prompts, cost)
+      assert tokens == greedy, (name, cost)
+  lookup = serve(target, None, prompts)[1]
+  # A draft the target rejects: after each request's first steps it mostly
+  # stops proposing, so the hybrid proposes little more than lookup alone.
+  assert lookup < counts["useless", 0.3] < counts["useless", None]
+  assert counts["useless", 0.3] - lookup < 0.5 * (counts["useless", None] - lookup)
+  # The exact draft yields k tokens a pass: the gate never closes.
+  assert counts["exact", 0.3] == counts["exact", None]
