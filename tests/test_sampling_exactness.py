@@ -29,6 +29,7 @@ import pytest
 
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.decoding import speculative
+from osd_jax.decoding.drafts import gate
 from osd_jax.decoding.drafts import (Context, HybridDraft, ModelDraft, NGramDraft,
                                      NoDraft)
 from osd_jax.decoding.sampling import Sampling
@@ -271,6 +272,21 @@ def test_hybrid_draft_stays_exact(target, draft):
   assert 0.2 < p1[COPIED] < 0.8 and p1[~np.isin(np.arange(V), PROMPT)].sum() > 0.2
   samples, metrics = sample(target, *hybrid_draft(draft), k, sampling)
   assert 0 < metrics.accepted < metrics.proposed
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
+def test_a_gated_hybrid_stays_exact(target, draft, monkeypatch):
+  """With no exploration and cost 0.9 the draft serves a row's second step
+  only if the row's first proposal had a token accepted: the decision reads
+  past draws (never the step's own), and the samples still follow p."""
+  monkeypatch.setattr(gate, "EXPLORE_STEPS", 0)
+  sampling, k = SETTINGS[2]
+  p = exact_distribution(target, sampling)
+  drafter = HybridDraft(ModelDraft(draft.config), NGramDraft(V), draft_cost=0.9)
+  samples, metrics = sample(target, drafter, draft.params, k, sampling)
+  ungated, _ = sample(target, *hybrid_draft(draft), k, sampling)
+  assert 0 < metrics.accepted < metrics.proposed
+  assert not np.array_equal(samples, ungated)  # the gate changed what was drawn
   assert empirical_tv(samples, p) < tv_bound(p)
 
 

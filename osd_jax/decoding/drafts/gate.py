@@ -7,14 +7,16 @@ of the batch's, must exceed its cost, a fraction of a target step.
 
 Per row (a slot; the statistics outlive its requests) it keeps running
 means of the draft tokens accepted on the steps the draft proposed for the
-row, and of the tokens the row emits a step. A step runs the draft for the rows lookup missed when
+row, and of the tokens the row emits a step. A step serves the rows lookup
+missed with the draft when
 
     sum over rows lookup missed of accepted  >  cost * sum over live rows of emitted,
 
-and, so that a closed gate goes on measuring a draft that learns, for the
-requests in their first steps (the draft's cache is fresh there: little to
-catch up). The rows it does not serve stay idle. The decision reads only past steps and this step's lookup, never this
-step's draws, so rejection sampling stays exact.
+and otherwise only the requests in their first steps, so that a closed
+gate goes on measuring a draft that learns (their draft caches are fresh:
+little to catch up). The rows it does not serve stay idle. The decision
+reads only past steps and this step's lookup, never this step's draws, so
+rejection sampling stays exact.
 """
 
 import flax
@@ -71,6 +73,11 @@ class Gate:
         emitted=mean(self.emitted, kept.astype(jnp.float32), emitting),
         age=self.age + 1, live=kept > 0, own=own,
         ran=jnp.zeros_like(self.ran))
+
+  def started(self) -> "Gate":
+    """Every row starts a request (a batch prefilled at once)."""
+    return self.replace(age=jnp.zeros_like(self.age), live=jnp.ones_like(self.live),
+                        own=jnp.ones_like(self.own))
 
   def insert_row(self, row: jax.Array) -> "Gate":
     """A new request in `row`: its means stay (they describe the slot's draft)."""

@@ -67,7 +67,8 @@ class HybridDraft:
   def prefill(self, params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD=None):
     base, lookup, gate = self._split(state)
     return self._join(self.base.prefill(params, base, prompts_BxP, prompt_lens_B,
-                                        hidden_BxPxD), lookup, gate)
+                                        hidden_BxPxD), lookup,
+                      None if gate is None else gate.started())
 
   def propose(self, params, state, ctx: Context, rng_B, k, sampling, window,
               forced=None):
