@@ -14,9 +14,10 @@ missed with the draft when
 
 and otherwise only the requests in their first steps, so that a closed
 gate goes on measuring a draft that learns (their draft caches are fresh:
-little to catch up). The rows it does not serve stay idle. The decision
-reads only past steps and this step's lookup, never this step's draws, so
-rejection sampling stays exact.
+little to catch up). The rows it does not serve stay idle. Over a device
+mesh each device decides for its own slots, as each runs its own pass.
+The decision reads only past steps and this step's lookup, never this
+step's draws, so rejection sampling stays exact.
 """
 
 import flax
