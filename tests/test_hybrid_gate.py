@@ -1,5 +1,6 @@
 """The hybrid's gate: the learned draft runs only while its tokens pay for its pass."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +9,8 @@ from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.decoding.drafts import Draft, HybridDraft, ModelDraft, NGramDraft
 from osd_jax.decoding.drafts.gate import EXPLORE_STEPS, Gate
 from osd_jax.decoding.engine import Engine
+from osd_jax.serving import driver, online
+from tests import test_online
 from tests.test_generation import VOCAB, prompts_of_lengths, tiny_model, with_eos
 
 MAX_NEW = 40  # enough steps for a closed gate to show
@@ -97,3 +100,27 @@ def test_gate_closes_on_a_useless_draft_and_stays_open_on_a_good_one(target, pro
   assert counts["useless", 0.3] - lookup < 0.5 * (counts["useless", None] - lookup)
   # The exact draft yields k tokens a pass: the gate never closes.
   assert counts["exact", 0.3] == counts["exact", None]
+
+
+def test_the_online_loop_serves_alike_on_one_device_and_two():
+  """The gate state rides with the slots (sharded by row); each device
+  decides for its own slots, and what is served does not change."""
+  target, draft = test_online.tiny_pair()
+  drafter = HybridDraft(draft.drafter, NGramDraft(test_online.VOCAB, max_ngram=3,
+                                                  min_ngram=2), draft_cost=0.3)
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(3, test_online.VOCAB, n) for n in (6, 9, 4, 7, 5, 8)] * 2
+  cfg = online.OnlineConfig(k=3, max_new_tokens=10, cache_size=64, steps_per_call=2,
+                            learn=False, trim_verify=True)
+  served = {}
+  for devices in (1, 2):
+    records = []
+    state = driver.run_stream(target, Draft(drafter, draft.params, "gated"),
+                              [test_online.query(p) for p in prompts], cfg, num_slots=4,
+                              mesh=online.make_mesh(devices), seed=0, chat=False,
+                              on_request=records.append)
+    served[devices] = [(r["request"], r["new_tokens"]) for r in records]
+    (gate_state,) = [leaf for leaf in jax.tree.leaves(
+        state.slots.draft, is_leaf=lambda x: isinstance(x, Gate)) if isinstance(leaf, Gate)]
+    assert gate_state.accepted.shape == (4,) and int(gate_state.age.min()) > 0
+  assert sorted(served[1]) == sorted(served[2]) and len(served[1]) == len(prompts)
