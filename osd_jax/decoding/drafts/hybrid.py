@@ -1,11 +1,12 @@
 """A learned draft that proposes the n-gram continuation whenever the context has a match.
 
 Code and SQL answers copy names from their prompts; where lookup finds
-nothing the learned draft proposes instead. The base drafter is fed the
-chosen tokens, so its proposal is consistent with what was proposed.
-A lookup with a history keeps its ring beside the base's state, and a
-gated hybrid (`draft_cost` > 0) its gate: the base then runs only while its
-accepted tokens pay for its pass (drafts/gate.py).
+nothing the learned draft proposes instead. Ungated, the base drafter is
+fed the chosen tokens of every row, so its state keeps in step. A lookup
+with a history keeps its ring beside the base's state, and a gated hybrid
+(`draft_cost` > 0) its gate: the base then serves only the rows the gate
+lets it, while its accepted tokens pay for its pass, and leaves the others
+idle to catch up later (drafts/gate.py).
 """
 
 import dataclasses
