@@ -5,8 +5,8 @@
 
 Times `objectives.distill` (one optimizer step over a full buffer, as the
 online loop takes it) on buffers of served-like samples: 64 generated
-positions after a prompt, a top-32 teacher, in the 256- and 512-position
-length buckets. Compared: the prompt read without gradient (the default)
+positions after a prompt, a top-32 teacher, in the 192-, 256- and
+384-position length buckets. Compared: the prompt read without gradient (the default)
 or with it, and the draft's token embedding frozen (the default) or trained.
 Reports the median of --repeats calls after a compiling one, and the bytes
 of optimizer state each setting keeps.
@@ -28,7 +28,7 @@ GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated positions per sample.")
 TEACHER_K = flags.DEFINE_integer("teacher_topk", 32, "Teacher top-k kept.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting.")
 # (bucket, prompt tokens): code prompts fill the larger bucket.
-_SHAPES = ((256, 150), (512, 300))
+_SHAPES = ((192, 120), (256, 150), (384, 300))
 
 
 def served_like(vocab: int, length: int, prompt: int, seed: int = 0) -> Buffer:
@@ -61,7 +61,7 @@ def main(argv):
   print(f"{'setting':44s} {'optimizer state MB':>18s} "
         + " ".join(f"{f'{n} pos, ms':>12s}" for n, _ in _SHAPES))
   for name, cfg in settings.items():
-    opt_state = update.make_optimizer(cfg).init(draft.params)
+    opt_state = update.init_opt_state(draft.params, cfg)
     state_mb = sum(x.nbytes for x in jax.tree.leaves(opt_state)) / 1e6
     step = jax.jit(lambda p, o, b, cfg=cfg: objectives.distill(
         learner, target.params, target.config, p, o, b, cfg))

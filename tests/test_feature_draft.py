@@ -128,7 +128,7 @@ def test_distillation_lowers_the_loss_and_raises_agreement():
   tokens = jnp.asarray(rng.integers(3, 64, (8, 20)), jnp.int32)
   buffer = buffer_of(target, tokens, jnp.full((8,), 5))
   cfg = update.DistillConfig(learning_rate=3e-3)
-  opt = update.make_optimizer(cfg).init(params)
+  opt = update.init_opt_state(params, cfg)
   distill = jax.jit(functools.partial(objectives.distill, drafter, tparams,
                                       target.config, cfg=cfg, steps=30))
   before = distill(params, opt, buffer)[2]

@@ -94,8 +94,10 @@ def loss_sum(drafter, params, target_params, buffer: Buffer, p_NxGxV,
 
 
 # Samples are scored only up to the longest one held, rounded up to one of
-# these: most of a slot-sized sample is padding.
-_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
+# these: most of a slot-sized sample is padding. Powers of two and the
+# halfway points between them: an update costs about its length, and the
+# main job's prompts plus answers run 150-360 tokens.
+_LENGTHS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def distill(drafter, target_params, target_config: LlamaConfig, params, opt_state,
@@ -120,21 +122,20 @@ def distill(drafter, target_params, target_config: LlamaConfig, params, opt_stat
 
 def _distill(drafter, target_params, target_config, params, opt_state, *, buffer,
              cfg, steps, axis_name):
-  optimizer = update.make_optimizer(cfg)
   p = update.teacher_probs(target_params, target_config, buffer, support(drafter))
 
   def one(carry, _):
     params, opt_state = carry
     objective = functools.partial(loss_sum, drafter, target_params=target_params,
                                   buffer=buffer, p_NxGxV=p, cfg=cfg)
-    (total_loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    (total_loss, weight), grads = update.value_and_trained_grads(objective, params, cfg)
     if axis_name is not None:
       total_loss, weight, grads = jax.lax.psum((total_loss, weight, grads), axis_name)
     scale = 1.0 / jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g * scale, grads)
     loss = total_loss * scale
     params, opt_state, applied = update.apply_update(params, opt_state, grads,
-                                                     loss, optimizer)
+                                                     loss, cfg)
     return (params, opt_state), (loss, applied)
 
   (params, opt_state), (losses, applied) = jax.lax.scan(

@@ -168,8 +168,9 @@ def _loss_and_grads(params, target_params, data, rows_B, is_real_B, *,
                     target_config, draft_config, distill):
   batch = _minibatch(data, rows_B, is_real_B)
   p = update.teacher_probs(target_params, target_config, batch)
-  return jax.value_and_grad(update.loss_fn, has_aux=True)(
-      params, draft_config, batch, p, distill)
+  return update.value_and_trained_grads(
+      lambda params: update.loss_fn(params, draft_config, batch, p, distill), params,
+      distill)
 
 
 _STATIC = ("target_config", "draft_config", "distill")
@@ -184,8 +185,8 @@ def train_step(params, opt_state, target_params, data: Buffer, rows_B,
   (loss, weight), grads = _loss_and_grads(
       params, target_params, data, rows_B, is_real_B,
       target_config=target_config, draft_config=draft_config, distill=distill)
-  params, opt_state, applied = update.apply_update(
-      params, opt_state, grads, loss, update.make_optimizer(distill))
+  params, opt_state, applied = update.apply_update(params, opt_state, grads, loss,
+                                                   distill)
   return params, opt_state, loss, weight, applied
 
 
@@ -226,7 +227,7 @@ def train(draft_params, target_params, target_config: LlamaConfig,
   """Epochs of shuffled minibatches; returns (params, mean loss of each epoch)."""
   # A copy: the step donates its parameters, and the caller keeps the draft.
   params = jax.tree.map(jnp.copy, draft_params)
-  opt_state = update.make_optimizer(cfg.distill).init(params)
+  opt_state = update.init_opt_state(params, cfg.distill)
   np_rng = np.random.default_rng(seed)
   epoch_losses = []
   for epoch in range(cfg.epochs):

@@ -42,7 +42,11 @@ class DistillConfig:
 
 
 def make_optimizer(cfg: DistillConfig) -> optax.GradientTransformation:
-  """AdamW with a constant rate by default; schedule, clipping, optimizer by name."""
+  """AdamW with a constant rate by default; schedule, clipping, optimizer by name.
+
+  It steps the trained parameters only (`split_trained`): its state is
+  `init_opt_state`'s.
+  """
   lr = cfg.learning_rate
   schedules = {
       "constant": lambda: lr,
@@ -64,29 +68,42 @@ def make_optimizer(cfg: DistillConfig) -> optax.GradientTransformation:
     raise ValueError("Weight decay with Adam is AdamW: pass optimizer='adamw'.")
   if cfg.weight_decay and cfg.optimizer == "sgd":
     parts.append(optax.add_decayed_weights(cfg.weight_decay))
-  optimizer = optax.chain(*parts, optimizers[cfg.optimizer]())
-  if cfg.train_embedding:
-    return optimizer
-  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()},
-                               _embedding_frozen)
+  return optax.chain(*parts, optimizers[cfg.optimizer]())
 
 
 _EMBEDDING = "embed"  # the one parameter kept frozen unless train_embedding
 
 
-def _embedding_frozen(params):
-  """multi_transform's labels: the top-level embedding frozen, all else trained."""
-  if not isinstance(params, dict):
-    return jax.tree.map(lambda _: "train", params)
-  return {name: "frozen" if name == _EMBEDDING else "train" for name in params}
+def split_trained(params, cfg: DistillConfig):
+  """(trained, frozen): the draft's token embedding apart unless it is trained.
 
-
-def _differentiable(params, cfg: DistillConfig):
-  """The parameters as the loss should see them: a frozen embedding carries no
-  gradient, so none is computed for it."""
+  The frozen part is not differentiated, has no optimizer state and is never
+  rewritten: an update touches only what it changes. For a draft cut from
+  SmolLM2 the embedding is 28 M of its 40 M weights; carrying it through the
+  update as zero gradients and zero steps cost ~60 ms of a ~450 ms update on
+  a 2-core CPU. frozen is None when everything is trained.
+  """
   if cfg.train_embedding or not isinstance(params, dict) or _EMBEDDING not in params:
-    return params
-  return dict(params, **{_EMBEDDING: jax.lax.stop_gradient(params[_EMBEDDING])})
+    return params, None
+  trained = {name: value for name, value in params.items() if name != _EMBEDDING}
+  return trained, params[_EMBEDDING]
+
+
+def joined(trained, frozen):
+  """The inverse of split_trained."""
+  return trained if frozen is None else dict(trained, **{_EMBEDDING: frozen})
+
+
+def init_opt_state(params, cfg: DistillConfig):
+  """The optimizer's state for the trained part of `params`."""
+  return make_optimizer(cfg).init(split_trained(params, cfg)[0])
+
+
+def value_and_trained_grads(objective, params, cfg: DistillConfig):
+  """jax.value_and_grad(objective, has_aux=True), over the trained part only."""
+  trained, frozen = split_trained(params, cfg)
+  return jax.value_and_grad(lambda t: objective(joined(t, frozen)),
+                            has_aux=True)(trained)
 
 
 def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:
@@ -152,7 +169,6 @@ def weighted_loss_sum(draft_params, draft_config: LlamaConfig, buffer: Buffer,
   Sums, not means, so devices with different amounts of weight combine
   exactly: psum both, then divide.
   """
-  draft_params = _differentiable(draft_params, cfg)
   hidden = _student_hidden(draft_params, draft_config, buffer, cfg.prompt_gradient)
   weight = buffer.loss_weight * buffer.is_valid[:, None]
   # Unweighted rows get a harmless uniform teacher: a stale NaN there would
@@ -176,21 +192,24 @@ def loss_fn(draft_params, draft_config: LlamaConfig, buffer: Buffer,
   return loss_sum / jnp.maximum(total, 1.0), total
 
 
-def apply_update(draft_params, opt_state, grads, loss, optimizer,
+def apply_update(draft_params, opt_state, grads, loss, cfg: DistillConfig,
                  axis_name: str | None = None):
   """Averages grads over devices, then steps unless anything is non-finite.
 
-  Returns (params, opt_state, was_applied). A skipped step leaves params and
-  optimizer state exactly as they were, so serving never sees a NaN.
+  `grads` are the trained part's (value_and_trained_grads); the frozen part
+  comes back as it went in. Returns (params, opt_state, was_applied). A
+  skipped step leaves params and optimizer state exactly as they were, so
+  serving never sees a NaN.
   """
   if axis_name is not None:
     grads = jax.lax.pmean(grads, axis_name)
     loss = jax.lax.pmean(loss, axis_name)
   is_finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
       [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-  updates, new_opt_state = optimizer.update(grads, opt_state, draft_params)
-  new_params = optax.apply_updates(draft_params, updates)
+  trained, frozen = split_trained(draft_params, cfg)
+  updates, new_opt_state = make_optimizer(cfg).update(grads, opt_state, trained)
+  new_trained = optax.apply_updates(trained, updates)
   keep = lambda new, old: jax.tree.map(
       lambda n, o: jnp.where(is_finite, n, o), new, old)
-  return (keep(new_params, draft_params), keep(new_opt_state, opt_state),
+  return (joined(keep(new_trained, trained), frozen), keep(new_opt_state, opt_state),
           is_finite)

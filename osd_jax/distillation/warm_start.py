@@ -164,7 +164,6 @@ def train(draft: Draft, target: LoadedModel, data: Buffer, cfg: WarmStartConfig,
   """
   drafter, vocab = draft.drafter, target.config.vocab_size
   support = objectives.support(drafter)
-  optimizer = update.make_optimizer(cfg.distill)
 
   @jax.jit
   def step(params, opt_state, batch: Buffer):
@@ -172,15 +171,16 @@ def train(draft: Draft, target: LoadedModel, data: Buffer, cfg: WarmStartConfig,
     objective = functools.partial(objectives.loss_sum, drafter,
                                   target_params=target.params, buffer=batch,
                                   p_NxGxV=p, cfg=cfg.distill)
-    (total, weight), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    (total, weight), grads = update.value_and_trained_grads(objective, params,
+                                                            cfg.distill)
     scale = 1.0 / jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g * scale, grads)
     params, opt_state, applied = update.apply_update(params, opt_state, grads,
-                                                     total * scale, optimizer)
+                                                     total * scale, cfg.distill)
     return params, opt_state, total * scale, applied
 
   params = jax.tree.map(jnp.array, draft.params)  # a copy: the draft keeps its own
-  opt_state = optimizer.init(params)
+  opt_state = update.init_opt_state(params, cfg.distill)
   n = data.tokens.shape[0]
   rng = np.random.default_rng(cfg.data_seed)
   per_epoch = n // cfg.batch_size

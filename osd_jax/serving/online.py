@@ -145,11 +145,10 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
   """N copies of the starting draft, fresh optimizer states, empty slots and buffers."""
   if num_slots % num_devices:
     raise ValueError(f"{num_slots} slots do not split over {num_devices} devices.")
-  optimizer = update.make_optimizer(cfg.distill)
   stack = lambda x: jnp.broadcast_to(x, (cfg.num_drafts,) + x.shape).copy()
   params = jax.tree.map(stack, draft_params)
   # A draft without parameters (n-gram, none) has no optimizer state.
-  opt_state = jax.vmap(optimizer.init)(params) if jax.tree.leaves(params) else ()
+  opt_state = jax.vmap(lambda p: update.init_opt_state(p, cfg.distill))(params) if jax.tree.leaves(params) else ()
   hidden_dim = target_config.hidden_dim if drafter.needs_hidden else 0
   one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
                      cfg.teacher_k, hidden_dim)
