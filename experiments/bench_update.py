@@ -6,8 +6,10 @@
 Times `objectives.distill` (one optimizer step over a full buffer, as the
 online loop takes it) on buffers of served-like samples: 64 generated
 positions after a prompt, a top-32 teacher, in the 192-, 256- and
-384-position length buckets. Compared: the prompt read without gradient (the default)
-or with it, and the draft's token embedding frozen (the default) or trained.
+384-position length buckets. Compared: the prompt's keys and values kept
+from serving (the default, model drafts only), recomputed without
+gradient, or with gradient, and the draft's token embedding frozen (the
+default) or trained.
 Reports the median of --repeats calls after a compiling one, and the bytes
 of optimizer state each setting keeps.
 """
@@ -20,8 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_common, cli, model_flags
+from osd_jax.decoding.drafts import ModelDraft
 from osd_jax.distillation import objectives, update
 from osd_jax.distillation.buffer import Buffer
+from osd_jax.models import llama
+from osd_jax.models.kv_cache import KVCache
 
 CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples in the buffer.")
 GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated positions per sample.")
@@ -44,6 +49,22 @@ def served_like(vocab: int, length: int, prompt: int, seed: int = 0) -> Buffer:
       is_valid=jnp.ones((n,), bool))
 
 
+def with_prompt_cache(buffer: Buffer, learner, params) -> Buffer:
+  """The buffer keeping its prompts' keys and values, as serving's prefill
+  would have left them (computed here once, outside the timing)."""
+  config = learner.config
+  n, length = buffer.tokens.shape
+  cache = KVCache.empty(num_layers=config.num_layers, batch_size=n, cache_size=length,
+                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                        dtype=config.jnp_dtype)
+  _, cache = llama.forward(params, config, buffer.tokens, cache, cache_is_empty=True)
+  keeping = Buffer.empty(n, length, buffer.loss_weight.shape[1],
+                         buffer.teacher_ids.shape[-1], prompt_cache=cache)
+  return keeping.add(buffer.tokens, buffer.gen_start, buffer.loss_weight,
+                     buffer.teacher_ids, buffer.teacher_probs, buffer.category,
+                     buffer.is_valid, prompt_cache=cache)
+
+
 def main(argv):
   del argv
   target = model_flags.load_target()
@@ -52,15 +73,19 @@ def main(argv):
   if learner is None:
     raise ValueError(f"--draft={model_flags.DRAFT.value} has no parameters to learn.")
   base = update.DistillConfig(learning_rate=1e-3)
+  # name: (settings, whether the buffer keeps serving's prompt keys/values)
   settings = {
-      "default (prompt no grad, embedding frozen)": base,
-      "embedding trained": dataclasses.replace(base, train_embedding=True),
-      "prompt with gradient": dataclasses.replace(base, prompt_gradient=True),
+      "default (prompt's keys/values from serving)": (base, True),
+      "prompt recomputed without gradient": (base, False),
+      "embedding trained": (dataclasses.replace(base, train_embedding=True), True),
+      "prompt with gradient": (dataclasses.replace(base, prompt_gradient=True), False),
   }
   print(f"draft: {draft.source}")
   print(f"{'setting':44s} {'optimizer state MB':>18s} "
         + " ".join(f"{f'{n} pos, ms':>12s}" for n, _ in _SHAPES))
-  for name, cfg in settings.items():
+  for name, (cfg, keeps_cache) in settings.items():
+    if keeps_cache and not isinstance(learner, ModelDraft):
+      continue  # only a model draft's prompt is a KV cache to keep
     opt_state = update.init_opt_state(draft.params, cfg)
     state_mb = sum(x.nbytes for x in jax.tree.leaves(opt_state)) / 1e6
     step = jax.jit(lambda p, o, b, cfg=cfg: objectives.distill(
@@ -68,6 +93,8 @@ def main(argv):
     costs = []
     for length, prompt in _SHAPES:
       buffer = served_like(target.config.vocab_size, length, prompt)
+      if keeps_cache:
+        buffer = with_prompt_cache(buffer, learner, draft.params)
       _, seconds, _ = bench_common.timed(step, draft.params, opt_state, buffer,
                                          repeats=REPEATS.value)
       costs.append(seconds * 1e3)

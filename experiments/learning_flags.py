@@ -19,6 +19,11 @@ KEEP_BUFFER = flags.DEFINE_bool(
 TRAIN_LEN = flags.DEFINE_integer(
     "train_len", 0, "Positions of a buffered sample (0: --cache_size); longer"
     " requests are served but not learnt from.")
+KEEP_PROMPT_CACHE = flags.DEFINE_bool(
+    "keep_prompt_cache", True, "Buffer the model draft's prompt keys and values"
+    " from serving's prefill, so an update does not run the draft over every"
+    " prompt again (they are the draft's as the request came in; 1.57 MB a"
+    " sample for the default draft).")
 TEACHER_TOPK = flags.DEFINE_integer(
     "teacher_topk", 32, "Keep the target's top-k from verification; 0 ="
     " recompute the teacher with a target forward at update time.")
@@ -46,6 +51,7 @@ def online_fields(**distill_extra) -> dict:
       train_len=TRAIN_LEN.value, update_interval=UPDATE_INTERVAL.value,
       update_steps=UPDATE_STEPS.value, buffer_capacity=BUFFER_CAPACITY.value,
       clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,
+      keep_prompt_cache=KEEP_PROMPT_CACHE.value,
       loss_weighting=LOSS_WEIGHTING.value,
       distill=DistillConfig(
           loss=LOSS.value, beta=LOSS_BETA.value, temperature=LOSS_TEMPERATURE.value,

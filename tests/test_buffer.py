@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from osd_jax.distillation.buffer import Buffer
+from osd_jax.models.kv_cache import KVCache
 
 CAPACITY, MAX_LEN, GEN_LEN, TEACHER_K = 5, 6, 3, 2
 add = jax.jit(Buffer.add)
@@ -162,3 +163,54 @@ def test_memory_per_sample_is_one_slot(max_len, gen_len, teacher_k, hidden_dim):
   assert per_slot == slot_bytes(make())
   assert documented_bytes_per_sample(max_len, gen_len, teacher_k,
                                      hidden_dim) == per_slot
+
+
+# A model draft's prompt keys and values, kept from serving ---------------------
+
+def random_cache(batch, heads=2, head_dim=4, size=9, layers=2, seed=0):
+  rng = np.random.default_rng(seed)
+  draw = lambda shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return KVCache(k=tuple(draw((batch * heads, head_dim, size)) for _ in range(layers)),
+                 v=tuple(draw((batch * heads, size, head_dim)) for _ in range(layers)),
+                 lengths=jnp.full((batch,), size, jnp.int32))
+
+
+def test_a_kept_prompt_cache_comes_back_as_the_rows_cache():
+  """Each added row's cache (cut to max_len) is stored in its slot; prompt_cache
+  gives it back padded, with the sample's gen_start as its length."""
+  cache = random_cache(3)
+  buffer = empty_keeping(cache)
+  batch = rows(3, 1)
+  is_new = jnp.asarray([True, False, True])
+  buffer = add(buffer, **batch, is_new_B=is_new, prompt_cache=cache)
+  back = buffer.prompt_cache(MAX_LEN + 4)
+  assert back.size == MAX_LEN + 4
+  np.testing.assert_array_equal(back.lengths, buffer.gen_start)
+  for slot, row in ((0, 0), (1, 2)):
+    np.testing.assert_array_equal(
+        jnp.stack(back.valid_entries(slot, MAX_LEN)),
+        jnp.stack(cache.valid_entries(row, MAX_LEN)))
+  cut = buffer.truncated(4).prompt_cache(5)
+  np.testing.assert_array_equal(jnp.stack(cut.valid_entries(1, 4)),
+                                jnp.stack(cache.valid_entries(2, 4)))
+
+
+def test_a_buffer_keeping_prompts_refuses_rows_without_them():
+  with pytest.raises(ValueError, match="draft's cache"):
+    empty_keeping(random_cache(1)).add(**rows(1, 0), is_new_B=jnp.ones(1, bool))
+
+
+def test_kept_prompt_bytes_per_sample():
+  """Buffer's docstring: 1.57 MB at max_len 512 for SmolLM2's 2-layer float32
+  draft (3 kv heads of 64)."""
+  template = jax.eval_shape(lambda: random_cache(1, heads=3, head_dim=64, size=512))
+  per_slot = lambda buffer: sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize
+                                for x in jax.tree.leaves(buffer) if x.shape[:1] == (7,))
+  shapes = lambda cache: jax.eval_shape(
+      lambda: Buffer.empty(7, 512, 64, 32, prompt_cache=cache))
+  assert per_slot(shapes(template)) - per_slot(shapes(None)) == 1_572_864
+  assert "1.57 MB at max_len 512" in " ".join(Buffer.__doc__.split())
+
+
+def empty_keeping(cache):
+  return Buffer.empty(CAPACITY, MAX_LEN, GEN_LEN, TEACHER_K, prompt_cache=cache)

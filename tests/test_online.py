@@ -397,10 +397,13 @@ def test_no_recompilation_as_the_stream_goes_on(single, multi):
     assert {p for p in names if p[0] == "insert"} == {("insert", 64), ("insert", 96)}
     serves = {p[1:] for p in names if p[0] == "serve"}
     assert {window for window, _ in serves} == {64, 128}
-    # The stream ends with fewer requests than slots: calls over fewer slots.
+    # The stream ends with fewer requests than slots: calls over fewer slots
+    # (on one device; over eight, two slots each, whether a device is left
+    # with one busy slot depends on where the last requests landed).
     batches = {batch for _, batch in serves}
     assert set(slot_lib.batch_buckets(slots_per_device)) >= batches
-    assert slots_per_device in batches and len(batches) >= 2
+    assert slots_per_device in batches
+    assert len(batches) >= 2 or run is multi
     assert len(programs) >= 16  # a long stream: many calls per program
     seen, traces, compiles = set(), 0, 0
     for program, t, c in programs:
@@ -563,3 +566,23 @@ def test_stale_nan_in_a_refilled_slot_is_never_read(single):
   state = admit(step, mesh, params, state, {0: short, 1: long})
   state, _ = serve_until_done(step, params, state)
   assert outputs_of(state, [0]) == {0: greedy(short)}
+
+
+def test_keeping_served_prompts_changes_nothing_at_one_slot():
+  """At one slot every buffered request came in after the previous update,
+  so the prompt keys/values its prefill left are what the update would
+  compute: with each sample in one update, both ways serve the same tokens
+  and learn the same draft (to float rounding: prefill and the update's
+  pass bucket differently)."""
+  cfg = dataclasses.replace(MAIN, buffer_capacity=4, update_interval=4)
+  queries = QUERIES[:20]
+  runs = [serve_stream(queries, dataclasses.replace(cfg, keep_prompt_cache=keep),
+                       devices=1, num_slots=1) for keep in (True, False)]
+  kept, recomputed = runs
+  assert kept["state"].buffer.prompt_k and not recomputed["state"].buffer.prompt_k
+  assert kept["tap"].outputs == recomputed["tap"].outputs
+  assert int(kept["state"].num_updates[0]) == 5
+  _, draft = tiny_pair()
+  assert max_abs_diff(kept["state"].draft_params, draft.params) > 1e-3
+  assert max_abs_diff(kept["state"].draft_params,
+                      recomputed["state"].draft_params) < 1e-4

@@ -103,20 +103,23 @@ def test_loss_is_weighted_mean_at_predicting_positions():
   np.testing.assert_allclose(loss, (per * w).sum() / w.sum(), rtol=1e-4)
 
 
-@functools.partial(jax.jit, static_argnames="sampling")
-def served_buffer(params, prompts_NxP, lens_N, rng, sampling):
-  """What the slot engine buffers when the target drafts for itself."""
+@functools.partial(jax.jit, static_argnames=("sampling", "keep_prompts"))
+def served_buffer(params, prompts_NxP, lens_N, rng, sampling, draft_params=None,
+                  keep_prompts=False):
+  """What the slot engine buffers when a draft of the target's shape (the
+  target itself by default) serves; with the draft's prompt keys/values."""
   target, _ = tiny_pair()
   config, drafter = target.config, ModelDraft(target.config)
   params = llama.for_decoding(params, config)
+  draft_params = params if draft_params is None else draft_params
   state, _ = speculative.start(
-      params, params, prompts_NxP, lens_N, jnp.full((N,), GEN_LEN),
+      params, draft_params, prompts_NxP, lens_N, jnp.full((N,), GEN_LEN),
       speculative.row_keys(rng, N), target_config=config, drafter=drafter, k=2,
       cache_size=MAX_LEN)
 
   def step(state, records):
     state, result = speculative.speculate_and_verify(
-        params, params, state, target_config=config, drafter=drafter, k=2,
+        params, draft_params, state, target_config=config, drafter=drafter, k=2,
         sampling=sampling)
     return state, records.record(result, corrected_only=False)
 
@@ -124,8 +127,44 @@ def served_buffer(params, prompts_NxP, lens_N, rng, sampling):
       step, state, Records.empty(N, MAX_LEN, VOCAB, 0), GEN_LEN)
   rows = record_samples(records, state, max_len=MAX_LEN, gen_len=GEN_LEN,
                         corrected_only=False)
-  return Buffer.empty(N, MAX_LEN, GEN_LEN, VOCAB).add(
-      *rows[:5], jnp.zeros(N, jnp.int32), jnp.ones(N, bool))
+  prompts = state.draft if keep_prompts else None
+  return Buffer.empty(N, MAX_LEN, GEN_LEN, VOCAB, prompt_cache=prompts).add(
+      *rows[:5], jnp.zeros(N, jnp.int32), jnp.ones(N, bool), prompt_cache=prompts)
+
+
+def test_an_update_on_the_served_prompt_cache_equals_one_recomputing_it():
+  """Serving's prefill left the draft's prompt keys and values in its cache;
+  an update reading them takes the step one running the draft over the
+  prompts again takes. Kept from another draft, they give another step."""
+  target, _ = tiny_pair()
+  noise = lambda x, seed: x + 0.05 * jax.random.normal(jax.random.key(seed), x.shape)
+  draft_params = jax.tree.map(lambda x: noise(x, 7), target.params)
+  rng = np.random.default_rng(2)
+  prompts = jnp.asarray(rng.integers(3, VOCAB, (N, 6)), jnp.int32)
+  lens = jnp.asarray([5, 3, 6, 4], jnp.int32)
+  serve = lambda params: served_buffer(
+      target.params, prompts, lens, jax.random.key(0), GREEDY,
+      llama.for_decoding(params, target.config), keep_prompts=True)
+  kept = serve(draft_params)
+  assert kept.keeps_prompt_cache
+  recomputing = kept.replace(prompt_k=(), prompt_v=())
+  drafter = ModelDraft(target.config)
+
+  def step(buffer):
+    opt_state = update.init_opt_state(draft_params, CFG)
+    return distill(drafter, target.params, target.config, draft_params, opt_state,
+                   buffer, CFG)
+
+  params, _, loss, skipped = step(kept)
+  again, _, loss_again, _ = step(recomputing)
+  assert int(skipped) == 0 and float(loss) > 1e-3
+  np.testing.assert_allclose(float(loss), float(loss_again), rtol=1e-5)
+  assert max_abs_diff(params, draft_params) > 1e-3
+  assert max_abs_diff(params, again) < 1e-5
+  # The same samples with the prompts' keys/values of another draft.
+  other = kept.replace(prompt_k=serve(target.params).prompt_k,
+                       prompt_v=serve(target.params).prompt_v)
+  assert max_abs_diff(step(other)[0], again) > 1e-4
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0),

@@ -4,6 +4,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from osd_jax.models.kv_cache import KVCache
+
 
 @flax.struct.dataclass
 class Buffer:
@@ -15,6 +17,9 @@ class Buffer:
   mantissa bits lose little). Memory per sample: 4 max_len + gen_len (4 + 8
   teacher_k) + 2 max_len hidden_dim + 9 bytes; e.g. max_len 192, gen_len 64,
   top-32, no hidden states: 17.4 KB; with SmolLM2's 576-wide states, +221 KB.
+  Keeping prompts' keys and values (`prompt_k`) adds 2 max_len x layers x
+  kv_heads x head_dim values of the draft's cache: 1.57 MB at max_len 512
+  for the 2-layer float32 draft cut from SmolLM2.
   """
 
   tokens: jax.Array  # [capacity, max_len] int32, prompt then generated tokens
@@ -30,12 +35,28 @@ class Buffer:
   is_valid: jax.Array  # [capacity] bool
   next_slot: jax.Array  # [] int32, where the next sample goes
   num_added: jax.Array  # [] int32, samples added since the buffer was made
+  # The model draft's keys and values of each sample's prompt, as serving's
+  # prefill left them in its cache (per layer, [capacity, kv_heads,
+  # head_dim, max_len] and [capacity, kv_heads, max_len, head_dim]): the
+  # update reads the prompt from them instead of running the draft over it
+  # again. Empty: not kept, the update recomputes them.
+  prompt_k: tuple = ()
+  prompt_v: tuple = ()
 
   @classmethod
   def empty(cls, capacity: int, max_len: int, gen_len: int, teacher_k: int,
-            hidden_dim: int = 0) -> "Buffer":
-    """teacher_k 0 keeps no teacher: the update then recomputes it."""
+            hidden_dim: int = 0, prompt_cache: KVCache | None = None) -> "Buffer":
+    """teacher_k 0 keeps no teacher: the update then recomputes it. A
+    `prompt_cache` (any draft cache of the right layers, heads and dtype)
+    makes the buffer keep prompts' keys and values."""
+    keys = values = ()
+    if prompt_cache is not None:
+      heads, head_dim = prompt_cache.num_kv_heads, prompt_cache.k[0].shape[1]
+      zeros = lambda *shape: tuple(jnp.zeros(shape, k.dtype) for k in prompt_cache.k)
+      keys = zeros(capacity, heads, head_dim, max_len)
+      values = zeros(capacity, heads, max_len, head_dim)
     return cls(
+        prompt_k=keys, prompt_v=values,
         tokens=jnp.zeros((capacity, max_len), jnp.int32),
         gen_start=jnp.zeros((capacity,), jnp.int32),
         loss_weight=jnp.zeros((capacity, gen_len), jnp.float32),
@@ -59,10 +80,31 @@ class Buffer:
   def keeps_hidden(self) -> bool:
     return self.hidden.shape[-1] > 0
 
+  @property
+  def keeps_prompt_cache(self) -> bool:
+    return bool(self.prompt_k)
+
+  def prompt_cache(self, size: int) -> KVCache:
+    """The kept prompts as a cache of `size` positions, each row's length its
+    gen_start: the positions before the one that predicts the first answer
+    token, all the prefill wrote."""
+    heads = self.prompt_k[0].shape[1]
+    n, length = self.tokens.shape[0], self.prompt_k[0].shape[-1]
+    pad = lambda x, axis: jnp.pad(x, [(0, 0)] * axis + [(0, size - length)]
+                                  + [(0, 0)] * (x.ndim - axis - 1))
+    return KVCache(
+        k=tuple(pad(k, 3).reshape(n * heads, -1, size) for k in self.prompt_k),
+        v=tuple(pad(v, 2).reshape(n * heads, size, -1) for v in self.prompt_v),
+        lengths=self.gen_start)
+
   def add(self, tokens_BxL, gen_start_B, loss_weight_BxG, teacher_ids_BxGxK,
           teacher_probs_BxGxK, category_B, is_new_B,
-          hidden_BxLxD=None) -> "Buffer":
-    """Writes the rows with is_new into consecutive slots, oldest overwritten."""
+          hidden_BxLxD=None, prompt_cache: KVCache | None = None) -> "Buffer":
+    """Writes the rows with is_new into consecutive slots, oldest overwritten.
+
+    `prompt_cache` is the draft's cache of the same B rows, when the buffer
+    keeps prompts (positions past max_len are not kept).
+    """
     order = jnp.cumsum(is_new_B) - 1
     slots = jnp.where(is_new_B, (self.next_slot + order) % self.capacity,
                       self.capacity)  # out of range: dropped by mode="drop"
@@ -79,6 +121,8 @@ class Buffer:
         teacher_probs=put(self.teacher_probs, teacher_probs_BxGxK),
         hidden=(self.hidden if hidden_BxLxD is None
                 else put(self.hidden, hidden_BxLxD)),
+        prompt_k=self._put_cache(put, prompt_cache, keys=True),
+        prompt_v=self._put_cache(put, prompt_cache, keys=False),
         category=put(self.category, category_B),
         is_valid=put(self.is_valid, jnp.ones_like(is_new_B)),
         next_slot=(self.next_slot + added) % self.capacity,
@@ -91,10 +135,27 @@ class Buffer:
                    axis=1)
     return jnp.max(jnp.where(self.is_valid & (last > 0), self.gen_start + 1 + last, 0))
 
+  def _put_cache(self, put, cache: KVCache | None, *, keys: bool) -> tuple:
+    stores = self.prompt_k if keys else self.prompt_v
+    if not self.keeps_prompt_cache:
+      return stores
+    if cache is None:
+      raise ValueError("This buffer keeps prompts' keys and values: pass the"
+                       " draft's cache.")
+    rows = cache.batch_size
+    out = []
+    for store, new in zip(stores, cache.k if keys else cache.v):
+      new = new.reshape((rows,) + store.shape[1:-2] + new.shape[1:])  # [B, heads, ...]
+      new = new[..., :store.shape[-1]] if keys else new[..., :store.shape[-2], :]
+      out.append(put(store, new))
+    return tuple(out)
+
   def truncated(self, length: int) -> "Buffer":
     """The same samples cut to their first `length` positions (static)."""
     return self.replace(tokens=self.tokens[:, :length],
-                        hidden=self.hidden[:, :length])
+                        hidden=self.hidden[:, :length],
+                        prompt_k=tuple(k[..., :length] for k in self.prompt_k),
+                        prompt_v=tuple(v[:, :, :length] for v in self.prompt_v))
 
   def cleared(self) -> "Buffer":
     """All slots invalid (the paper clears the buffer after each update)."""

@@ -76,6 +76,15 @@ def _feature_draft(drafter: FeatureDraft, params, target_params, buffer, p, cfg)
   return total, count
 
 
+def served_cache(drafter, state):
+  """The learning model draft's KV cache inside a drafter's serving state (a
+  hybrid's: its base's), or None for other kinds. Its prompt positions are
+  what the update's pass over each prompt would compute (`Buffer.prompt_k`)."""
+  if isinstance(drafter, HybridDraft):
+    drafter, state = drafter.base, drafter.base_state(state)
+  return state if isinstance(drafter, ModelDraft) else None
+
+
 def support(drafter) -> tuple[int, ...] | None:
   """The tokens the draft's head scores (None: all)."""
   learner = learnable(drafter)

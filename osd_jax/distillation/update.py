@@ -123,6 +123,9 @@ def _student_hidden(params, config, buffer: Buffer, prompt_gradient: bool) -> ja
   with gradient, on that cache, the way serving runs them. The prompt is
   most of a sample, so a step costs about L + 3G token passes instead of 3L;
   what it leaves out is the gradient through the prompt's keys and values.
+  A buffer that kept the prompts' keys and values from serving's prefill
+  saves the L: they are the draft's as it was when the request came in (at
+  most an update or two older, with the default ring).
   """
   if prompt_gradient:
     return _generated_hidden(params, config, buffer)
@@ -130,11 +133,14 @@ def _student_hidden(params, config, buffer: Buffer, prompt_gradient: bool) -> ja
   gen_len = buffer.loss_weight.shape[1]
   # Room for every generated position, even of samples that end early (the
   # positions past a sample's end carry no weight).
-  cache = KVCache.empty(num_layers=config.num_layers, batch_size=n,
-                        cache_size=length + gen_len, num_kv_heads=config.num_kv_heads,
-                        head_dim=config.head_dim, dtype=config.jnp_dtype)
-  _, cache = llama.forward(jax.lax.stop_gradient(params), config, buffer.tokens,
-                           cache, cache_is_empty=True)
+  if buffer.keeps_prompt_cache:  # as serving's prefill wrote them
+    cache = buffer.prompt_cache(length + gen_len)
+  else:
+    cache = KVCache.empty(num_layers=config.num_layers, batch_size=n,
+                          cache_size=length + gen_len, num_kv_heads=config.num_kv_heads,
+                          head_dim=config.head_dim, dtype=config.jnp_dtype)
+    _, cache = llama.forward(jax.lax.stop_gradient(params), config, buffer.tokens,
+                             cache, cache_is_empty=True)
   positions = jnp.minimum(buffer.gen_start[:, None] + jnp.arange(gen_len), length - 1)
   inputs = jnp.take_along_axis(buffer.tokens, positions, axis=1)
   hidden, _ = llama.forward(params, config, inputs,

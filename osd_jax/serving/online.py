@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from osd_jax.decoding import slots as slot_lib
 from osd_jax.decoding import speculative
-from osd_jax.decoding.drafts import MultiDraft
+from osd_jax.decoding.drafts import ModelDraft, MultiDraft
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.speculative import SpecState
 from osd_jax.distillation import objectives, samples, update
@@ -63,6 +63,11 @@ class OnlineConfig:
   # a draft that skips a step falls out of step with its cache.
   batch_k: tuple[tuple[int, int], ...] = ()
   trim_verify: bool = False  # see slots.SlotConfig
+  # Buffer a model draft's prompt keys and values as serving's prefill wrote
+  # them, so an update need not run the draft over every prompt again
+  # (Buffer.prompt_k; per sample 2 x layers x kv_heads x head_dim x
+  # sample_len values of the draft's cache dtype).
+  keep_prompt_cache: bool = True
   distill: update.DistillConfig = update.DistillConfig()
 
   def __post_init__(self):
@@ -80,6 +85,9 @@ class OnlineConfig:
     if any(min(b, k_b) < 1 for b, k_b in self.batch_k):
       raise ValueError(f"batch_k needs batches and draft lengths >= 1, got"
                        f" {self.batch_k}.")
+    if self.train_len > self.cache_size:
+      raise ValueError(f"train_len {self.train_len} is longer than a slot"
+                       f" (cache_size {self.cache_size}).")
     if self.max_new_tokens + self.k + 1 > self.cache_size:
       raise ValueError(f"cache_size {self.cache_size} cannot hold max_new_tokens"
                        f" {self.max_new_tokens} + k {self.k} after a prompt.")
@@ -104,6 +112,12 @@ class OnlineConfig:
     """Attention window of one call when the longest slot holds `longest` tokens."""
     return slot_lib.bucket(longest + self.steps_per_call * (self.k + 1),
                            self.cache_size)
+
+  def keeps_prompt_cache(self, drafter) -> bool:
+    """Whether the buffer keeps prompts' keys and values for this drafter:
+    a model draft (or a hybrid's), read without gradient through the prompt."""
+    return (self.learn and self.keep_prompt_cache and not self.distill.prompt_gradient
+            and isinstance(objectives.learnable(drafter), ModelDraft))
 
   def slots(self, target_config: LlamaConfig, drafter, num_slots: int):
     return slot_lib.SlotConfig(target_config, drafter, self.k, self.sampling,
@@ -150,14 +164,16 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
   # A draft without parameters (n-gram, none) has no optimizer state.
   opt_state = jax.vmap(lambda p: update.init_opt_state(p, cfg.distill))(params) if jax.tree.leaves(params) else ()
   hidden_dim = target_config.hidden_dim if drafter.needs_hidden else 0
-  one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
-                     cfg.teacher_k, hidden_dim)
-  buffer = jax.tree.map(
-      lambda x: jnp.broadcast_to(x, (num_devices, cfg.num_drafts) + x.shape).copy(),
-      one)
   slots = speculative.empty_state(target_config, multi(drafter, cfg),
                                   batch_size=num_slots, cache_size=cfg.cache_size,
                                   k=cfg.k)
+  prompt_cache = (objectives.served_cache(drafter, slots.draft[0])
+                  if cfg.keeps_prompt_cache(drafter) else None)
+  one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
+                     cfg.teacher_k, hidden_dim, prompt_cache)
+  buffer = jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (num_devices, cfg.num_drafts) + x.shape).copy(),
+      one)
   records = Records.empty(num_slots, cfg.cache_size, cfg.teacher_k, hidden_dim)
   counters = lambda dtype: jnp.zeros((cfg.num_drafts,), dtype)  # distinct buffers
   return OnlineState(params, opt_state, buffer, slots, records,
@@ -242,8 +258,11 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
   for d in range(cfg.num_drafts):
     take = lambda tree, d=d: jax.tree.map(lambda x: x[d], tree)
     is_new = finished & fits & (slots.route == d)
+    prompt_cache = (objectives.served_cache(drafter.base, slots.draft[d])
+                    if cfg.keeps_prompt_cache(drafter.base) else None)
     buf = take(jax.tree.map(lambda x: x[0], buffer)).add(
-        tokens, gen_start, weight, ids, probs, slots.route, is_new, hidden)
+        tokens, gen_start, weight, ids, probs, slots.route, is_new, hidden,
+        prompt_cache)
     new = is_new.sum().astype(jnp.int32)
     if axis_name is not None:
       new = jax.lax.psum(new, axis_name)

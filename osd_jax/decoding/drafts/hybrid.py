@@ -46,6 +46,10 @@ class HybridDraft:
   def prepare(self, params, target_params=None):
     return self.base.prepare(params, target_params)
 
+  def base_state(self, state):
+    """The base draft's own part of this drafter's state."""
+    return self._split(state)[0]
+
   def _split(self, state):
     """(the base's state, the lookup's, the gate): the lookup has one only
     with a history, the gate is None unless gated."""
