@@ -4,8 +4,10 @@
   python -m experiments.bench_online --num_requests=48 --update_steps=1,4
 
 Serves the same stream with learning off, then with learning on for each
-number of optimizer steps per update (and once with the teacher recomputed
-by a target forward instead of kept from verification). Every program is
+number of optimizer steps per update, once with each prompt's draft keys
+and values recomputed by the update instead of kept from serving, and once
+with the teacher recomputed by a target forward instead of kept from
+verification. Every program is
 compiled before its stream is timed. Reports tokens/s, alpha over the first
 and last window, and how fast each setting raises alpha per second of wall
 clock: (alpha_last - alpha_first) / seconds.
@@ -74,6 +76,8 @@ def main(argv):
   for steps in [int(s) for s in UPDATE_STEPS.value]:
     variants[f"on, {steps} step(s) per update"] = dataclasses.replace(
         base, update_steps=steps)
+  variants["on, 1 step, prompts recomputed"] = dataclasses.replace(
+      base, keep_prompt_cache=False)
   if RECOMPUTED.value:
     variants["on, 1 step, teacher recomputed"] = dataclasses.replace(base, teacher_k=0)
   results = {}

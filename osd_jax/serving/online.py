@@ -260,9 +260,11 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
     is_new = finished & fits & (slots.route == d)
     prompt_cache = (objectives.served_cache(drafter.base, slots.draft[d])
                     if cfg.keeps_prompt_cache(drafter.base) else None)
-    buf = take(jax.tree.map(lambda x: x[0], buffer)).add(
+    # Only in calls where a request finished: adding nothing still rewrote
+    # every field, the kept prompt caches (MBs) included, on every call.
+    buf = when(is_new.any(), lambda buf, is_new=is_new, prompt_cache=prompt_cache: buf.add(
         tokens, gen_start, weight, ids, probs, slots.route, is_new, hidden,
-        prompt_cache)
+        prompt_cache), take(jax.tree.map(lambda x: x[0], buffer)))
     new = is_new.sum().astype(jnp.int32)
     if axis_name is not None:
       new = jax.lax.psum(new, axis_name)
