@@ -103,10 +103,11 @@ def loss_sum(drafter, params, target_params, buffer: Buffer, p_NxGxV,
 
 
 # Samples are scored only up to the longest one held, rounded up to one of
-# these: most of a slot-sized sample is padding. Powers of two and the
-# halfway points between them: an update costs about its length, and the
-# main job's prompts plus answers run 150-360 tokens.
-_LENGTHS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# these: most of a slot-sized sample is padding. Powers of two only: the
+# halfway points (192, 384, ...) cut the main job's code updates by a
+# quarter, but their programs' kernels took the 8-slot learning pass past
+# Linux's default vm.max_map_count (driver.serve_in_turns).
+_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def distill(drafter, target_params, target_config: LlamaConfig, params, opt_state,
