@@ -5,8 +5,8 @@
 
 Times `objectives.distill` (one optimizer step over a full buffer, as the
 online loop takes it) on buffers of served-like samples: 64 generated
-positions after a prompt, a top-32 teacher, in the 192-, 256- and
-384-position length buckets. Compared: the prompt's keys and values kept
+positions after a prompt, a top-32 teacher, in the 256- and 512-position
+length buckets. Compared: the prompt's keys and values kept
 from serving (the default, model drafts only), recomputed without
 gradient, or with gradient, and the draft's token embedding frozen (the
 default) or trained.
@@ -33,7 +33,7 @@ GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated positions per sample.")
 TEACHER_K = flags.DEFINE_integer("teacher_topk", 32, "Teacher top-k kept.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting.")
 # (bucket, prompt tokens): code prompts fill the larger bucket.
-_SHAPES = ((192, 120), (256, 150), (384, 300))
+_SHAPES = ((256, 150), (512, 300))
 
 
 def served_like(vocab: int, length: int, prompt: int, seed: int = 0) -> Buffer:
