@@ -25,8 +25,6 @@ from experiments import bench_common, cli, model_flags
 from osd_jax.decoding.drafts import ModelDraft
 from osd_jax.distillation import objectives, update
 from osd_jax.distillation.buffer import Buffer
-from osd_jax.models import llama
-from osd_jax.models.kv_cache import KVCache
 
 CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples in the buffer.")
 GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated positions per sample.")
@@ -52,12 +50,8 @@ def served_like(vocab: int, length: int, prompt: int, seed: int = 0) -> Buffer:
 def with_prompt_cache(buffer: Buffer, learner, params) -> Buffer:
   """The buffer keeping its prompts' keys and values, as serving's prefill
   would have left them (computed here once, outside the timing)."""
-  config = learner.config
   n, length = buffer.tokens.shape
-  cache = KVCache.empty(num_layers=config.num_layers, batch_size=n, cache_size=length,
-                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                        dtype=config.jnp_dtype)
-  _, cache = llama.forward(params, config, buffer.tokens, cache, cache_is_empty=True)
+  cache = update.prefilled_cache(params, learner.config, buffer.tokens, length)
   keeping = Buffer.empty(n, length, buffer.loss_weight.shape[1],
                          buffer.teacher_ids.shape[-1], prompt_cache=cache)
   return keeping.add(buffer.tokens, buffer.gen_start, buffer.loss_weight,

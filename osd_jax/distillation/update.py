@@ -115,6 +115,15 @@ def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:
   return jnp.take_along_axis(hidden_NxLxD, positions[..., None], axis=1)
 
 
+def prefilled_cache(params, config: LlamaConfig, tokens_NxL: jax.Array,
+                    size: int) -> KVCache:
+  """A `size`-position cache holding the keys and values of all of `tokens`."""
+  cache = KVCache.empty(num_layers=config.num_layers, batch_size=tokens_NxL.shape[0],
+                        cache_size=size, num_kv_heads=config.num_kv_heads,
+                        head_dim=config.head_dim, dtype=config.jnp_dtype)
+  return llama.forward(params, config, tokens_NxL, cache, cache_is_empty=True)[1]
+
+
 def _student_hidden(params, config, buffer: Buffer, prompt_gradient: bool) -> jax.Array:
   """The draft's final hidden states at the positions that predict generated tokens.
 
@@ -129,18 +138,15 @@ def _student_hidden(params, config, buffer: Buffer, prompt_gradient: bool) -> ja
   """
   if prompt_gradient:
     return _generated_hidden(params, config, buffer)
-  n, length = buffer.tokens.shape
+  length = buffer.tokens.shape[1]
   gen_len = buffer.loss_weight.shape[1]
   # Room for every generated position, even of samples that end early (the
   # positions past a sample's end carry no weight).
   if buffer.keeps_prompt_cache:  # as serving's prefill wrote them
     cache = buffer.prompt_cache(length + gen_len)
   else:
-    cache = KVCache.empty(num_layers=config.num_layers, batch_size=n,
-                          cache_size=length + gen_len, num_kv_heads=config.num_kv_heads,
-                          head_dim=config.head_dim, dtype=config.jnp_dtype)
-    _, cache = llama.forward(jax.lax.stop_gradient(params), config, buffer.tokens,
-                             cache, cache_is_empty=True)
+    cache = prefilled_cache(jax.lax.stop_gradient(params), config, buffer.tokens,
+                            length + gen_len)
   positions = jnp.minimum(buffer.gen_start[:, None] + jnp.arange(gen_len), length - 1)
   inputs = jnp.take_along_axis(buffer.tokens, positions, axis=1)
   hidden, _ = llama.forward(params, config, inputs,

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from osd_jax.decoding import slots as slot_lib
 from osd_jax.decoding import speculative
-from osd_jax.decoding.drafts import ModelDraft, MultiDraft
+from osd_jax.decoding.drafts import MultiDraft
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.speculative import SpecState
 from osd_jax.distillation import objectives, samples, update
@@ -113,12 +113,6 @@ class OnlineConfig:
     return slot_lib.bucket(longest + self.steps_per_call * (self.k + 1),
                            self.cache_size)
 
-  def keeps_prompt_cache(self, drafter) -> bool:
-    """Whether the buffer keeps prompts' keys and values for this drafter:
-    a model draft (or a hybrid's), read without gradient through the prompt."""
-    return (self.learn and self.keep_prompt_cache and not self.distill.prompt_gradient
-            and isinstance(objectives.learnable(drafter), ModelDraft))
-
   def slots(self, target_config: LlamaConfig, drafter, num_slots: int):
     return slot_lib.SlotConfig(target_config, drafter, self.k, self.sampling,
                                num_slots, self.cache_size, self.trim_verify)
@@ -154,6 +148,15 @@ def multi(drafter, cfg: OnlineConfig) -> MultiDraft:
   return MultiDraft(drafter, cfg.num_drafts)
 
 
+def _kept_prompts(cfg: OnlineConfig, drafter, draft_state):
+  """The draft cache whose prompt keys/values the buffer keeps (Buffer.prompt_k),
+  or None: not asked for, not learning, trained through the prompt, or not a
+  model draft (objectives.served_cache)."""
+  if not (cfg.learn and cfg.keep_prompt_cache) or cfg.distill.prompt_gradient:
+    return None
+  return objectives.served_cache(drafter, draft_state)
+
+
 def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineConfig,
                *, num_devices: int, num_slots: int, seed: int) -> OnlineState:
   """N copies of the starting draft, fresh optimizer states, empty slots and buffers."""
@@ -167,8 +170,7 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
   slots = speculative.empty_state(target_config, multi(drafter, cfg),
                                   batch_size=num_slots, cache_size=cfg.cache_size,
                                   k=cfg.k)
-  prompt_cache = (objectives.served_cache(drafter, slots.draft[0])
-                  if cfg.keeps_prompt_cache(drafter) else None)
+  prompt_cache = _kept_prompts(cfg, drafter, slots.draft[0])
   one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
                      cfg.teacher_k, hidden_dim, prompt_cache)
   buffer = jax.tree.map(
@@ -258,13 +260,15 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
   for d in range(cfg.num_drafts):
     take = lambda tree, d=d: jax.tree.map(lambda x: x[d], tree)
     is_new = finished & fits & (slots.route == d)
-    prompt_cache = (objectives.served_cache(drafter.base, slots.draft[d])
-                    if cfg.keeps_prompt_cache(drafter.base) else None)
+    prompt_cache = _kept_prompts(cfg, drafter.base, slots.draft[d])
+
+    def add(buf, is_new=is_new, prompt_cache=prompt_cache):
+      return buf.add(tokens, gen_start, weight, ids, probs, slots.route, is_new,
+                     hidden, prompt_cache)
+
     # Only in calls where a request finished: adding nothing still rewrote
     # every field, the kept prompt caches (MBs) included, on every call.
-    buf = when(is_new.any(), lambda buf, is_new=is_new, prompt_cache=prompt_cache: buf.add(
-        tokens, gen_start, weight, ids, probs, slots.route, is_new, hidden,
-        prompt_cache), take(jax.tree.map(lambda x: x[0], buffer)))
+    buf = when(is_new.any(), add, take(jax.tree.map(lambda x: x[0], buffer)))
     new = is_new.sum().astype(jnp.int32)
     if axis_name is not None:
       new = jax.lax.psum(new, axis_name)
