@@ -7,7 +7,8 @@ Serves the same stream with learning off, then with learning on for each
 number of optimizer steps per update, once with each prompt's draft keys
 and values recomputed by the update instead of kept from serving, and once
 with the teacher recomputed by a target forward instead of kept from
-verification. Every program is
+verification, and once within a learning budget (--learning_budget: updates
+take at most that share of serving time). Every program is
 compiled before its stream is timed. Reports tokens/s, alpha over the first
 and last window, and how fast each setting raises alpha per second of wall
 clock: (alpha_last - alpha_first) / seconds.
@@ -39,15 +40,19 @@ TEACHER_TOPK = flags.DEFINE_integer("teacher_topk", 32, "Top-k kept from verific
 LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Draft learning rate.")
 RECOMPUTED = flags.DEFINE_bool("recomputed_teacher", True,
                                "Also run with the teacher recomputed at update time.")
+BUDGET = flags.DEFINE_float("learning_budget", 0.03, "Also run learning within this"
+                            " share of serving time (0: not).", lower_bound=0.0,
+                            upper_bound=0.99)
 DOMAIN = flags.DEFINE_string("domain", "math", "Stream domain.")
 WINDOW = flags.DEFINE_integer("window", 16, "Requests in the first/last window.")
 
 
-def _timed_run(target, draft, queries, cfg, mesh) -> dict:
+def _timed_run(target, draft, queries, cfg, mesh, budget=0.0) -> dict:
   """Tokens/s of the stream, alpha first/last, updates (compiles excluded)."""
   records = []
   driver.run_stream(target, draft, queries, cfg, num_slots=SLOTS.value, mesh=mesh,
-                    on_request=records.append, compile_first=True)
+                    on_request=records.append, compile_first=True,
+                    learning_budget=budget)
   records = [r for r in records if not r.get("error")]
   seconds = max(r["finished_s"] for r in records)
   by_request = sorted(records, key=lambda r: r["request"])
@@ -56,7 +61,7 @@ def _timed_run(target, draft, queries, cfg, mesh) -> dict:
           "seconds": seconds,
           "alpha_first": float(np.mean([r["alpha"] for r in by_request[:window]])),
           "alpha_last": float(np.mean([r["alpha"] for r in by_request[-window:]])),
-          "updates": sum(1 for r in records if r.get("loss") is not None)}
+          "updates": sum(r.get("updates", 0) for r in records)}
 
 
 def main(argv):
@@ -80,10 +85,14 @@ def main(argv):
       base, keep_prompt_cache=False)
   if RECOMPUTED.value:
     variants["on, 1 step, teacher recomputed"] = dataclasses.replace(base, teacher_k=0)
+  budgets = {}  # variant -> learning budget
+  if BUDGET.value:
+    name = f"on, 1 step, budget {BUDGET.value:g}"
+    variants[name], budgets[name] = base, BUDGET.value
   results = {}
   for name, cfg in variants.items():
     print(f"running: {name}", flush=True)
-    results[name] = _timed_run(target, draft, queries, cfg, mesh)
+    results[name] = _timed_run(target, draft, queries, cfg, mesh, budgets.get(name, 0.0))
   off = results["learning off"]
   print(f"\n{'variant':32s} {'tokens/s':>9s} {'vs off':>7s} {'alpha first':>11s}"
         f" {'alpha last':>10s} {'updates':>7s} {'alpha gain/s':>12s}")

@@ -39,6 +39,10 @@ LEARNING_RATE = flags.DEFINE_float(
     " from SmolLM2 learn far faster at 1e-3 (see README).")
 CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.")
 WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
+LEARNING_BUDGET = flags.DEFINE_float(
+    "learning_budget", 0.0, "Share of serving time the draft's updates may"
+    " take; a due update waits while they have taken more (0: no limit, an"
+    " update every --update_interval requests).", lower_bound=0.0, upper_bound=0.99)
 TRAIN_EMBEDDING = flags.DEFINE_bool(
     "train_embedding", False, "Train the draft's token embedding online too"
     " (off: it stays as it started, with no gradient or optimizer state).")

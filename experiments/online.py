@@ -79,6 +79,11 @@ CHECKPOINT_DIR = flags.DEFINE_string(
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 64, "Requests between saves.")
 RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_dir.")
 model_flags.serve_with_the_best_draft()
+# Where the learned draft serves few tokens (lookup covers this stream), each
+# second of learning is a second of serving lost: updates may take at most
+# 3 % of it (README, "What online learning costs"; 0 restores the paper's
+# update every --update_interval requests).
+flags.set_default(learning_flags.LEARNING_BUDGET, 0.03)
 
 INTERLEAVE = flags.DEFINE_bool(
     "interleave", True, "Serve the passes in turns (a turn ends where the"
@@ -126,7 +131,8 @@ def summarize(name: str, path: str, tail: int) -> dict:
   """Alpha, tokens per call and tokens/s per segment and last window of one run."""
   records = read_jsonl(path)
   return {"run": name, "requests": len(records),
-          "updates": sum(1 for r in records if r.get("loss") is not None),
+          "updates": sum(r.get("updates", 0) for r in records),
+          "update_s": sum(r.get("update_s", 0.0) for r in records),
           **speed_summary(records, tail=tail)}
 
 
@@ -223,7 +229,7 @@ def main(argv):
         seed=SEED.value, chat=CHAT.value, categories=categories,
         checkpointer=ckpt, checkpoint_every=CHECKPOINT_EVERY.value,
         on_request=reporters[name] or (lambda record: None), compile_first=True,
-        pauses=pauses)
+        pauses=pauses, learning_budget=learning_flags.LEARNING_BUDGET.value)
   driver.serve_in_turns(serving, INTERLEAVE.value,
                         lambda name: _finish(name, reporters[name], passes[name][2]))
   if checkpointer is not None:

@@ -90,4 +90,8 @@ def summary_table(summaries: list[dict]) -> str:
       f" p99 {s['latency'].get('ttft_p99_ms', float('nan')):.0f},"
       f" ITL p50 {s['latency'].get('itl_p50_ms', float('nan')):.1f}"
       f" p99 {s['latency'].get('itl_p99_ms', float('nan')):.1f}" for s in summaries))
+  learned = [s for s in summaries if s.get("updates")]
+  if learned:  # update_s: each update's call against calls of its shape without one
+    lines.append("updates  " + "  ".join(
+        f"{s['run']}: {s['updates']}, about {s.get('update_s', 0.0):.1f} s" for s in learned))
   return "\n".join(lines)

@@ -67,4 +67,5 @@ def online_config() -> online.OnlineConfig:
 def live_config() -> LiveConfig:
   return LiveConfig(num_slots=SLOTS.value, checkpoint_every=CHECKPOINT_EVERY.value,
                     export_dir=EXPORT_DIR.value, rolling_window=ROLLING_WINDOW.value,
-                    seed=SEED.value)
+                    seed=SEED.value,
+                    learning_budget=learning_flags.LEARNING_BUDGET.value)

@@ -6,7 +6,8 @@ request each slot holds; between compiled calls it refills free slots
 request is served: one that cannot fit a slot gets an error record and the
 stream goes on. Scheduling depends only on the stream and the device state,
 so a run resumed from a checkpoint (requests in flight included) makes the
-same calls as an uninterrupted one.
+same calls as an uninterrupted one; with a learning budget, when updates
+run depends on the clock too.
 """
 
 import contextlib
@@ -28,6 +29,7 @@ from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.models import llama
 from osd_jax.serving import distributed, online
 from osd_jax.serving.checkpoint import Checkpointer
+from osd_jax.serving.learning_budget import LearningBudget
 
 # Per-row running sums of speculative.Metrics.
 ROW_METRICS = ("proposed", "accepted", "target_calls", "emitted", "alpha_sum",
@@ -233,7 +235,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                  on_request: Callable[[dict], None] = lambda record: None,
                  state: online.OnlineState | None = None,
                  compile_first: bool = False,
-                 pauses: Sequence[int] = ()) -> Iterator[online.OnlineState]:
+                 pauses: Sequence[int] = (),
+                 learning_budget: float = 0.0) -> Iterator[online.OnlineState]:
   """Serves `queries` in order with continuous batching, learning online.
 
   A generator: it pauses before each request index in `pauses` (every
@@ -246,6 +249,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   end. `on_request` receives one record per request as it finishes (served) or is
   refused (`error`). `compile_first` compiles every program the stream may
   call before serving it, so its records time serving alone.
+  `learning_budget` is the share of the serving clock updates may take
+  (learning_budget.py; 0: no limit).
   """
   devices = mesh.size
   if num_slots % devices:
@@ -300,6 +305,7 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   first_token: dict[int, tuple[float, float]] = {}  # (call start, call end)
   call_start = start_time
   per_device = num_slots // devices
+  learning = LearningBudget(learning_budget if cfg.learn else 0.0)
 
   def ids_of(index: int) -> list[int]:
     if index not in ids_cache:
@@ -357,7 +363,7 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                           rows(budget), rows(slot), rows(routes),
                           rows(keys[key_rows]), rows(sampling))
 
-  def collect(out) -> list[dict]:
+  def collect() -> list[dict]:
     """Records of the requests that finished in the last call; frees their slots."""
     done, lengths, prompt_lens = distributed.gather(
         (state.slots.done, state.slots.lengths, state.slots.prompt_lens))
@@ -388,12 +394,24 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                     learned=bool(cfg.learn and prompt_lens[s] + record["new_tokens"]
                                  <= cfg.sample_len))
       records.append(record)
-    # This call's update (if any) is reported once, on its last request.
-    did = np.asarray(out.did_update)
-    if did.any():
-      records[-1]["loss"] = float(np.nanmean(np.where(did, out.loss, np.nan)))
-      records[-1]["update_skipped"] = bool(np.asarray(out.skipped)[did].sum() > 0)
     return records
+
+  # Updates not reported yet: each goes on the last record of its call, or
+  # of the next call that finishes a request (a waiting update may run
+  # mid-request).
+  unreported = {"updates": 0, "update_s": 0.0, "update_skipped": False}
+
+  def report_updates(out, shape, seconds: float, records: list[dict]) -> None:
+    did = np.asarray(out.did_update)
+    cost = learning.record(shape, seconds, bool(did.any()))
+    if did.any():
+      unreported["updates"] += 1
+      unreported["update_s"] += cost
+      unreported["update_skipped"] |= bool(np.asarray(out.skipped)[did].sum() > 0)
+      unreported["loss"] = float(np.nanmean(np.where(did, out.loss, np.nan)))
+    if records and unreported["updates"]:
+      records[-1].update(unreported)
+      unreported.update(updates=0, update_s=0.0, update_skipped=False)
 
   def save():
     nonlocal saved_at, state
@@ -416,13 +434,18 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
         break  # the rest of this piece was refused
       lengths = distributed.gather(state.slots.lengths)
       window = cfg.window(int(lengths[occupied].max()))
+      batch = slot_lib.occupied_batch(occupied, per_device)
       call_start = clock()
       state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
-                              window=window,
-                              batch=slot_lib.occupied_batch(occupied, per_device),
-                              refill=host.next_request < until)
+                              window=window, batch=batch,
+                              refill=host.next_request < until,
+                              may_update=learning.allows(distributed.all_agree))
       out = distributed.gather(out)
-      for record in collect(out):
+      seconds = clock() - call_start
+      records = collect()
+      # Calls that finish a request end early (with refill): a shape of their own.
+      report_updates(out, (window, batch, bool(records)), seconds, records)
+      for record in records:
         on_request(record)
       host.calls += 1
       if checkpoint_every and host.served - last_saved >= checkpoint_every:

@@ -34,11 +34,13 @@ from osd_jax.distillation import objectives
 from osd_jax.models import llama
 from osd_jax.serving import distributed, driver, online
 from osd_jax.serving.checkpoint import Checkpointer
+from osd_jax.serving.learning_budget import LearningBudget
 from osd_jax.serving.live_request import (Failed, Finished, LiveRequest, RequestStats,
                                           Tokens)
 from osd_jax.serving.server_metrics import ServerMetrics
 
 _IDLE_WAIT_S = 0.5  # how long an idle engine sleeps between looks at its queue
+_busy_clock = time.perf_counter  # what the learning budget reads (tests replace it)
 
 
 class EngineUnavailable(RuntimeError):
@@ -54,6 +56,8 @@ class LiveConfig:
   export_dir: str | None = None  # where draft exports go (None: no exports)
   rolling_window: int = 16  # requests in the rolling alpha
   seed: int = 0  # draws the seeds of requests that bring none
+  # Share of the engine's busy time updates may take (learning_budget.py).
+  learning_budget: float = 0.0
 
 
 def _free_program(mesh: jax.sharding.Mesh):
@@ -106,6 +110,7 @@ class LiveEngine:
     self._key_shape = jax.random.key_data(jax.random.key(0)).shape  # the PRNG's
     self._counts = self._counters()  # (updates, skipped, last loss) after the last call
     self._updates_saved = self._counts[0]
+    self._learning = LearningBudget(live.learning_budget if cfg.learn else 0.0)
     self._thread: threading.Thread | None = None
     self._accepting = True
     self.failure: str | None = None
@@ -318,13 +323,17 @@ class LiveEngine:
     window = self.cfg.window(int(self._lengths[occupied].max()))
     # The call's StepOutput is not needed: the state holds the update counts.
     batch = slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size)
-    self._state, _ = self._step.serve(self._target_params, self._state,
-                                      steps=self.cfg.steps_per_call, window=window,
-                                      batch=batch, refill=bool(self._pending))
+    start = _busy_clock()
+    self._state, _ = self._step.serve(
+        self._target_params, self._state, steps=self.cfg.steps_per_call,
+        window=window, batch=batch, refill=bool(self._pending),
+        may_update=self._learning.allows(distributed.all_agree))
     slots = self._state.slots
     done, lengths, prompt_lens, tokens, updates, skipped, loss = distributed.gather(
         (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,
          self._state.num_updates, self._state.num_skipped, self._state.last_loss))
+    self._learning.record((window, batch), _busy_clock() - start,
+                          int(updates.sum()) > self._counts[0])
     self._lengths = lengths.astype(np.int64)
     self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
     finished = []

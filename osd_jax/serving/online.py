@@ -237,9 +237,10 @@ def _student_rows(target_params, draft_params, state: OnlineState, rows, rng,
           pick(s_probs, probs), hidden)
 
 
-def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
-           drafter, cfg: OnlineConfig, axis_name):
-  """Buffers every finished request with its draft; updates drafts whose turn it is."""
+def _learn(target_params, state: OnlineState, finished, rng, may_update, *,
+           target_config, drafter, cfg: OnlineConfig, axis_name):
+  """Buffers every finished request with its draft; updates drafts whose turn
+  it is, if `may_update` (else they wait: learning_budget)."""
   slots = state.slots
   corrected_only = cfg.loss_weighting == "corrected"
   rows = record_samples(state.records, slots, max_len=cfg.sample_len,
@@ -273,7 +274,7 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
     if axis_name is not None:
       new = jax.lax.psum(new, axis_name)
     count = since[d] + new
-    do = count >= cfg.update_interval
+    do = (count >= cfg.update_interval) & may_update
 
     def learn(operand):
       p, o, buf, _, _ = operand
@@ -303,7 +304,8 @@ def _learn(target_params, state: OnlineState, finished, rng, *, target_config,
   return state, StepOutput(jnp.stack(did), jnp.stack(losses), jnp.stack(skips))
 
 
-def serve_and_learn(target_params, state: OnlineState, refill=False, *,
+def serve_and_learn(target_params, state: OnlineState, refill=False,
+                    may_update=True, *,
                     target_config, drafter, cfg: OnlineConfig, steps: int,
                     window: int, batch: int | None = None,
                     axis_name: str | None = None):
@@ -312,7 +314,8 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
   Only the first `batch` local slots (all if None) are decoded: the host
   keeps every request there; each step drafts cfg.k_at(batch) tokens. With
   `refill` (requests are waiting) decoding stops at the first step in which a slot finishes, on every device
-  (slots.decode_loop).
+  (slots.decode_loop). Without `may_update`, a due update waits for a
+  later call.
   """
   drafter = multi(drafter, cfg)
   target_params = llama.for_decoding(target_params, target_config)
@@ -350,7 +353,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False, *,
   rng, learn_rng = jax.random.split(state.rng[0])
   state = state.replace(rng=rng[None])
   return _learn(target_params, state, slots.done & ~was_done, learn_rng,
-                target_config=target_config, drafter=drafter, cfg=cfg,
+                may_update, target_config=target_config, drafter=drafter, cfg=cfg,
                 axis_name=axis_name)
 
 
@@ -370,24 +373,27 @@ class Step:
         in_specs=(P(), _STATE_SPECS, row, row, row, row, row, row, row),
         out_specs=_STATE_SPECS, check_vma=False), donate_argnums=(1,))
     self._serve = {}
-    # The refill flag as the programs take it, placed once, not every call.
-    self._refill = {flag: distributed.replicate(np.bool_(flag), mesh)
-                    for flag in (False, True)}
+    # The flags as the programs take them, placed once, not every call.
+    self._flag = {flag: distributed.replicate(np.bool_(flag), mesh)
+                  for flag in (False, True)}
 
   def serve(self, target_params, state: OnlineState, *, steps: int, window: int,
-            batch: int | None = None, refill: bool = False):
+            batch: int | None = None, refill: bool = False,
+            may_update: bool = True):
     """Up to `steps` speculative steps over the first `batch` slots of each
-    device (all if None; fewer steps with `refill`, see serve_and_learn);
-    one program per (window, batch)."""
+    device (all if None; fewer steps with `refill`, and a due update waits
+    without `may_update`, see serve_and_learn); one program per (window,
+    batch)."""
     key = steps, window, batch
     if key not in self._serve:
       body = functools.partial(serve_and_learn, **self.statics, steps=steps,
                                window=window, batch=batch, axis_name=AXIS)
       self._serve[key] = jax.jit(jax.shard_map(
-          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P()),
+          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P(), P()),
           out_specs=(_STATE_SPECS, StepOutput(P(), P(), P())), check_vma=False),
           donate_argnums=(1,))
-    return self._serve[key](target_params, state, self._refill[bool(refill)])
+    return self._serve[key](target_params, state, self._flag[bool(refill)],
+                            self._flag[bool(may_update)])
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,152 @@
+"""The learning budget: a due update waits while updates have taken their share."""
+
+import dataclasses
+import queue
+
+import jax
+import numpy as np
+import pytest
+
+from osd_jax.serving import driver, live, online
+from osd_jax.serving.learning_budget import LearningBudget
+from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams
+from tests.test_online import (MAIN, MAX_NEW, QUERIES, admit, fresh_state, host, max_abs_diff,
+                               placed_target, prompt_ids, serve_stream, tiny_pair)
+
+
+def test_no_budget_always_allows_and_never_asks_the_other_hosts():
+  budget = LearningBudget(0.0)
+  budget.record("shape", 100.0, updated=True)
+  assert budget.allows(agree=lambda flag: pytest.fail("asked"))
+
+
+def test_an_update_costs_its_call_less_a_plain_call_of_its_shape():
+  budget = LearningBudget(0.1)
+  assert budget.record((64, 1), 0.2, updated=False) == 0.0
+  assert budget.record((128, 1), 0.4, updated=False) == 0.0
+  assert budget.record((64, 1), 1.2, updated=True) == pytest.approx(1.0)
+  # A shape never seen without an update is priced against the cheapest.
+  assert budget.record((256, 1), 0.7, updated=True) == pytest.approx(0.5)
+  assert budget.record((64, 1), 0.1, updated=True) == 0.0  # never negative
+  assert budget.update_seconds == pytest.approx(1.5) and budget.updates == 3
+
+
+def test_updates_wait_until_serving_time_pays_for_them():
+  budget = LearningBudget(0.1)
+  assert budget.allows()  # nothing spent yet
+  budget.record("s", 0.5, updated=False)
+  budget.record("s", 1.5, updated=True)  # 1 s of updates: needs 10 s of serving
+  assert not budget.allows()
+  for _ in range(79):
+    budget.record("s", 0.1, updated=False)
+  assert budget.serving_seconds == pytest.approx(9.9) and not budget.allows()
+  budget.record("s", 0.2, updated=False)  # 10.1 s
+  assert budget.allows()
+  assert not budget.allows(agree=lambda flag: False)  # another host says no
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0])
+def test_a_share_outside_0_1_is_refused(share):
+  with pytest.raises(ValueError, match="learning budget"):
+    LearningBudget(share)
+
+
+def test_a_due_update_waits_while_it_may_not_run():
+  """may_update=False keeps a due update (and the samples) for a later call."""
+  cfg = dataclasses.replace(MAIN, update_interval=1, buffer_capacity=4)
+  mesh = online.make_mesh(1)
+  target, draft = tiny_pair()
+  step = online.make_step(mesh, target_config=target.config, drafter=draft.drafter,
+                          cfg=cfg)
+  target_params = placed_target(mesh)
+  state = fresh_state(cfg, mesh, num_slots=2)
+  start = host(state.draft_params)
+  state = admit(step, mesh, target_params, state,
+                {0: prompt_ids(QUERIES[0]), 1: prompt_ids(QUERIES[1])})
+  while not jax.device_get(state.slots.done).all():
+    state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
+                            window=cfg.window(cfg.cache_size), may_update=False)
+    assert not np.asarray(out.did_update).any()
+  assert int(state.since_update[0]) == 2 and int(state.num_updates[0]) == 0
+  assert int(np.asarray(state.buffer.is_valid).sum()) == 2
+  assert max_abs_diff(host(state.draft_params), start) == 0.0
+  state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
+                          window=cfg.window(cfg.cache_size))
+  assert np.asarray(out.did_update).all() and int(state.num_updates[0]) == 1
+  assert max_abs_diff(host(state.draft_params), start) > 1e-4
+
+
+class _FakeClock:
+  """The driver's clock: calls that update take 1 s, the others 0.1 s."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def _stream_with_clock(monkeypatch, budget: float) -> dict:
+  clock = _FakeClock()
+  monkeypatch.setattr(driver, "_host_seconds", clock)
+  serve = online.Step.serve
+
+  def timed_serve(self, *args, **kwargs):
+    state, out = serve(self, *args, **kwargs)
+    clock.now += 1.0 if np.asarray(out.did_update).any() else 0.1
+    return state, out
+
+  monkeypatch.setattr(online.Step, "serve", timed_serve)
+  return serve_stream(QUERIES[:24], dataclasses.replace(MAIN, update_interval=2),
+                      devices=1, num_slots=2, learning_budget=budget)
+
+
+def test_the_driver_holds_updates_to_their_share_of_the_clock(monkeypatch):
+  free = _stream_with_clock(monkeypatch, 0.0)
+  held = _stream_with_clock(monkeypatch, 0.2)
+  updates = lambda run: [r for r in run["records"] if r.get("updates")]
+  count = lambda run: sum(r["updates"] for r in updates(run))
+  assert count(free) == 12 == int(free["state"].num_updates[0])  # one per 2 requests
+  assert 1 <= count(held) == int(held["state"].num_updates[0]) < 12
+  # Each update is booked at what the clock says it cost.
+  assert all(r["update_s"] == pytest.approx(0.9 * r["updates"])
+             for r in updates(held)[1:])
+  # Every request is served either way; only when the draft learns differs.
+  assert sorted(r["request"] for r in held["records"]) == list(range(24))
+  serving_s = max(r["finished_s"] for r in held["records"])
+  assert sum(r["update_s"] for r in updates(held)) <= 0.2 * serving_s + 0.9
+
+
+def _live_updates(monkeypatch, budget: float) -> int:
+  """Updates of the live engine over 24 requests, its clock as _FakeClock's."""
+  clock = _FakeClock()
+  monkeypatch.setattr(live, "_busy_clock", clock)
+  serve = online.Step.serve
+
+  def timed_serve(self, *args, **kwargs):
+    state, out = serve(self, *args, **kwargs)
+    clock.now += 1.0 if np.asarray(out.did_update).any() else 0.1
+    return state, out
+
+  monkeypatch.setattr(online.Step, "serve", timed_serve)
+  target, draft = tiny_pair()
+  cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2)
+  engine = live.LiveEngine(target, draft, cfg,
+                           live.LiveConfig(num_slots=2, learning_budget=budget),
+                           mesh=online.make_mesh(1))
+  finished = queue.Queue()
+  engine.start(warm_up=False)
+  for q in QUERIES[:24]:
+    engine.submit(LiveRequest(list(prompt_ids(q)), RequestParams(max_tokens=MAX_NEW),
+                              lambda event: isinstance(event, Finished)
+                              and finished.put(event)))
+  for _ in range(24):
+    finished.get(timeout=300)
+  engine.stop()
+  monkeypatch.undo()
+  return int(np.asarray(engine._state.num_updates).sum())  # pylint: disable=protected-access
+
+
+def test_the_live_engine_holds_updates_to_their_share_of_its_time(monkeypatch):
+  assert _live_updates(monkeypatch, 0.0) == 12
+  assert 1 <= _live_updates(monkeypatch, 0.2) < 12
