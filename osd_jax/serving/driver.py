@@ -249,8 +249,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   end. `on_request` receives one record per request as it finishes (served) or is
   refused (`error`). `compile_first` compiles every program the stream may
   call before serving it, so its records time serving alone.
-  `learning_budget` is the share of the serving clock updates may take
-  (learning_budget.py; 0: no limit).
+  `learning_budget` is the share of the serve calls' time updates may take
+  (learning_budget.py; 0: no limit; a resumed run starts its count afresh).
   """
   devices = mesh.size
   if num_slots % devices:

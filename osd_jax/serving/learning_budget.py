@@ -10,7 +10,8 @@ samples. A budget of 0 sets no limit: an update every `update_interval`
 requests.
 
 An update's cost is read off the clock: the seconds of the call that ran it
-minus what calls of the same shape (window, batch) take without one.
+minus what calls of the same shape (the caller's key: window, slots, ...)
+take without one.
 """
 
 # Weight of the newest call in a shape's running mean of call seconds.
