@@ -76,27 +76,23 @@ def test_a_due_update_waits_while_it_may_not_run():
   assert max_abs_diff(host(state.draft_params), start) > 1e-4
 
 
-class _FakeClock:
-  """The driver's clock: calls that update take 1 s, the others 0.1 s."""
-
-  def __init__(self):
-    self.now = 0.0
-
-  def __call__(self) -> float:
-    return self.now
-
-
-def _stream_with_clock(monkeypatch, budget: float) -> dict:
-  clock = _FakeClock()
-  monkeypatch.setattr(driver, "_host_seconds", clock)
+def _fake_clock(monkeypatch, module, name: str):
+  """Replaces module.name, a host clock, by one that serve calls advance:
+  1 s for a call that updates, 0.1 s for the others."""
+  clock = [0.0]
+  monkeypatch.setattr(module, name, lambda: clock[0])
   serve = online.Step.serve
 
   def timed_serve(self, *args, **kwargs):
     state, out = serve(self, *args, **kwargs)
-    clock.now += 1.0 if np.asarray(out.did_update).any() else 0.1
+    clock[0] += 1.0 if np.asarray(out.did_update).any() else 0.1
     return state, out
 
   monkeypatch.setattr(online.Step, "serve", timed_serve)
+
+
+def _stream_with_clock(monkeypatch, budget: float) -> dict:
+  _fake_clock(monkeypatch, driver, "_host_seconds")
   return serve_stream(QUERIES[:24], dataclasses.replace(MAIN, update_interval=2),
                       devices=1, num_slots=2, learning_budget=budget)
 
@@ -118,17 +114,8 @@ def test_the_driver_holds_updates_to_their_share_of_the_clock(monkeypatch):
 
 
 def _live_updates(monkeypatch, budget: float) -> int:
-  """Updates of the live engine over 24 requests, its clock as _FakeClock's."""
-  clock = _FakeClock()
-  monkeypatch.setattr(live, "_busy_clock", clock)
-  serve = online.Step.serve
-
-  def timed_serve(self, *args, **kwargs):
-    state, out = serve(self, *args, **kwargs)
-    clock.now += 1.0 if np.asarray(out.did_update).any() else 0.1
-    return state, out
-
-  monkeypatch.setattr(online.Step, "serve", timed_serve)
+  """Updates of the live engine over 24 requests, its clock a _fake_clock."""
+  _fake_clock(monkeypatch, live, "_busy_clock")
   target, draft = tiny_pair()
   cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2)
   engine = live.LiveEngine(target, draft, cfg,
