@@ -69,9 +69,16 @@ NGRAM_HISTORY = flags.DEFINE_integer(
     " keeps a copy of N x the slot's positions of tokens, searched every step;"
     " 0 = prompt lookup only.", lower_bound=0)
 NGRAM_HISTORY_MIN = flags.DEFINE_integer(
-    "ngram_history_min", 3,
+    "ngram_history_min", 2,
     "Shortest n-gram looked up in earlier requests (--ngram_history).",
     lower_bound=1)
+NGRAM_HISTORY_SHARE = flags.DEFINE_float(
+    "ngram_history_min_share", 0.5,
+    "Each earlier request with a match offers what followed its latest one;"
+    " the continuation most of them share is proposed, each token only while"
+    " at least this share of them agree with it (SuffixDecoding's frequency"
+    " counts). 0: the most shared continuation in full.",
+    lower_bound=0.0, upper_bound=1.0)
 NGRAM_CAP = flags.DEFINE_bool(
     "ngram_cap_at_match", True,
     "After an n-gram match propose at most n tokens, not k. Only in calls whose"
@@ -141,7 +148,7 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   hybrid = HYBRID.value if hybrid is None else hybrid
   lookup = drafts.NGramDraft(target.config.vocab_size, NGRAM_MAX.value,
                              NGRAM_MIN.value, NGRAM_CAP.value, NGRAM_HISTORY.value,
-                             NGRAM_HISTORY_MIN.value)
+                             NGRAM_HISTORY_MIN.value, NGRAM_HISTORY_SHARE.value)
   if kind == "ngram":
     if hybrid:
       raise ValueError("--hybrid needs a learned draft, not --draft=ngram.")

@@ -53,13 +53,14 @@ def test_the_short_proposal_flags_reach_the_drafters():
                warm_start="none", hybrid=True, draft_confidence_threshold=0.6,
                draft_stop_before_unconfident=True, ngram_min=3, ngram_max=5,
                ngram_cap_at_match=False, ngram_history=7,
-               ngram_history_min=2)
+               ngram_history_min=3, ngram_history_min_share=0.25)
   with flagsaver.flagsaver(**saved):
     hybrid = model_flags.load_draft(target).drafter
   assert hybrid.base.stop_before_unconfident
   assert (hybrid.ngram.min_ngram, hybrid.ngram.max_ngram) == (3, 5)
   assert not hybrid.ngram.cap_at_match
-  assert (hybrid.ngram.history, hybrid.ngram.history_min_ngram) == (7, 2)
+  assert (hybrid.ngram.history, hybrid.ngram.history_min_ngram,
+          hybrid.ngram.history_min_share) == (7, 3, 0.25)
   with flagsaver.flagsaver(**dict(saved, draft="ngram", hybrid=False,
                                   ngram_cap_at_match=True)):
     assert model_flags.load_draft(target).drafter.cap_at_match

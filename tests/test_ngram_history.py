@@ -18,7 +18,7 @@ from tests.test_speculative import lookup_context, reference_lookup
 SIZE = 32  # positions of a history entry
 
 
-def reference(row, served, k, max_ngram, min_ngram, cap, history_min):
+def reference(row, served, k, max_ngram, min_ngram, cap, history_min, min_share):
   """What the lookup should propose, in plain Python: (tokens, count)."""
   own = reference_lookup(row, k, max_ngram, min_ngram)
   if own is not None:
@@ -28,11 +28,21 @@ def reference(row, served, k, max_ngram, min_ngram, cap, history_min):
   for n in range(max_ngram, history_min - 1, -1):
     if len(row) < n:
       continue
-    for entry in reversed(served):  # the youngest request first
+    offers = []  # what followed each served request's latest match, youngest first
+    for entry in reversed(served):
       starts = [j for j in range(len(entry) - n) if entry[j:j + n] == row[-n:]]
       if starts:
-        copied = entry[max(starts) + n:][:k]
-        return copied, min(len(copied), min(n, k) if cap else k)
+        offers.append(entry[max(starts) + n:][:k])
+    agree = lambda offer, t: sum(len(o) > t and o[:t + 1] == offer[:t + 1]
+                                 for o in offers) if len(offer) > t else 0
+    # Most agreement on the first token, then the first two, ...; max()
+    # keeps the first of equals, the youngest.
+    best = max(offers, key=lambda o: [agree(o, t) for t in range(k)], default=[])
+    count = 0
+    while count < len(best) and agree(best, count) >= min_share * len(offers):
+      count += 1
+    if count:
+      return best, min(count, min(n, k) if cap else k)
   return None, 0
 
 
@@ -50,8 +60,10 @@ def remembered(rows_served, size):
   return jax.tree.map(lambda *rows: jnp.concatenate(rows), *rings)
 
 
-@pytest.mark.parametrize("cap, history_min", [(False, 2), (True, 2), (True, 3)])
-def test_lookup_falls_back_on_the_youngest_served_request_with_a_match(cap, history_min):
+@pytest.mark.parametrize("cap, history_min, min_share",
+                         [(False, 2, 0.0), (True, 2, 0.5), (True, 3, 0.5), (False, 2, 1.0)])
+def test_lookup_falls_back_on_what_the_served_requests_continued(cap, history_min,
+                                                                 min_share):
   rng = np.random.default_rng(0)
   size, k = 3, 4
   rows = [rng.integers(3, 9, int(n)).tolist() for n in rng.integers(1, 12, 48)]
@@ -59,12 +71,13 @@ def test_lookup_falls_back_on_the_youngest_served_request_with_a_match(cap, hist
   served = [[rng.integers(3, 9, int(n)).tolist() for n in rng.integers(1, SIZE, int(c))]
             for c in rng.integers(0, 6, len(rows))]
   drafter = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, cap_at_match=cap, history=size,
-                       history_min_ngram=history_min)
+                       history_min_ngram=history_min, history_min_share=min_share)
   tokens, counts = jax.jit(drafter.lookup, static_argnums=1)(
       lookup_context(rows), k, remembered(served, size))
   from_history = 0
   for row, earlier, got, count in zip(rows, served, tokens.tolist(), counts.tolist()):
-    want, want_count = reference(row, earlier[-size:], k, 3, 2, cap, history_min)
+    want, want_count = reference(row, earlier[-size:], k, 3, 2, cap, history_min,
+                                 min_share)
     assert count == want_count, (row, earlier)
     assert got[:count] == (want or [])[:count]
     from_history += reference_lookup(row, k, 3, 2) is None and count > 0
@@ -73,6 +86,18 @@ def test_lookup_falls_back_on_the_youngest_served_request_with_a_match(cap, hist
   plain = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, cap_at_match=cap)
   _, own_counts = plain.lookup(lookup_context(rows), k)
   assert sum(own_counts.tolist()) < sum(counts.tolist())
+
+
+@pytest.mark.parametrize("min_share, proposed", [(0.0, [7, 2]), (0.5, [7]), (0.7, [])])
+def test_the_continuation_most_served_requests_share_wins(min_share, proposed):
+  """Three requests continued [5, 6] with [7, 1], [7, 2] and [8, 3] (the
+  youngest): 7 has two votes of three, then 1 and 2 one each (the younger
+  wins); a token is proposed only while its share of votes reaches min_share."""
+  history = remembered([[[5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 8, 3]]], size=3)
+  drafter = NGramDraft(VOCAB, max_ngram=2, min_ngram=2, history=3,
+                       history_min_share=min_share)
+  tokens, count = drafter.lookup(lookup_context([[4, 5, 6]]), 2, history)
+  assert tokens[0, :int(count[0])].tolist() == proposed
 
 
 def test_the_ring_forgets_its_oldest_request_and_ignores_an_empty_one():

@@ -14,10 +14,13 @@ trimmed to the proposal's width; steps at full width propose k anyway
 
 With `history` > 0 a row that finds no match in its own sequence looks in
 the last `history` requests its device served, prompts and outputs (as
-SuffixDecoding and vLLM's `suffix` method look in earlier outputs): the
-most recent request with a match wins, and within it the latest match. The
-drafter then adapts to the traffic without training: answers to similar
-queries share their phrasing (SQL clauses, the steps of a math answer).
+SuffixDecoding and vLLM's `suffix` method look in earlier outputs). There
+each earlier request's latest match votes, as SuffixDecoding's frequency
+counts do: the continuation most of them share is proposed, as far as at
+least `history_min_share` of them agree. The drafter then adapts to the
+traffic without training: answers to similar queries share their phrasing
+(SQL clauses, the steps of a math answer), and a phrase continued alike
+many times is proposed with its usual continuation.
 Every row of a device keeps the same ring (History), so a slot finds what
 the device's other slots served; devices stay independent.
 """
@@ -93,11 +96,19 @@ class History:
     return jax.tree.map(lambda new, old: jnp.where(length > 0, new, old), updated, self)
 
 
-def history_match(history: History, suffix_Bxn: jax.Array, k: int):
-  """(has match [B], the k tokens after it [B, k], how many of them exist [B]).
+def history_vote(history: History, suffix_Bxn: jax.Array, k: int,
+                 min_share: float = 0.0):
+  """(tokens [B, k], how many of them to propose [B], 0 without a match).
 
   A match in an entry is a position j with entry[j:j+n] == suffix and j + n
-  < the entry's length; the youngest entry with one wins, then the latest j.
+  < the entry's length. Each entry with a match offers the k tokens after
+  its latest one, and the offers vote as SuffixDecoding's suffix tree counts
+  continuations: the proposal is the offer that most entries agree with on
+  its first token, then on its first two, and so on (ties: the youngest),
+  and it proposes its first t tokens while at least `min_share` of the
+  entries with a match agree with all t. A phrase that many served requests
+  continued alike is likely continued alike again; one whose continuations
+  disagree is likely chance, and proposes nothing.
   """
   b, h, s = history.tokens.shape
   n = suffix_Bxn.shape[1]
@@ -107,17 +118,23 @@ def history_match(history: History, suffix_Bxn: jax.Array, k: int):
   for i in range(n):
     shifted = jnp.roll(flat, -i, axis=1).reshape(b, h, s)  # entry[j + i]
     is_match &= shifted == suffix_Bxn[:, i, None, None]
-  # Youngest entry first, then the latest position in it.
-  score = jnp.where(is_match, (h - history.age[:, :, None]) * s + positions, -1)
-  best = jnp.argmax(score.reshape(b, h * s), axis=1)
-  has = jnp.max(score.reshape(b, h * s), axis=1) >= 0
-  entry, start = best // s, best % s
-  first = start + n
-  offsets = jnp.minimum(first[:, None] + jnp.arange(k)[None, :], s - 1)
-  rows = jnp.take_along_axis(history.tokens, entry[:, None, None], axis=1)[:, 0]
-  tokens = jnp.take_along_axis(rows, offsets, axis=1)
-  length = jnp.take_along_axis(history.lengths, entry[:, None], axis=1)[:, 0]
-  return has, tokens, jnp.clip(length - first, 0, k)
+  latest = jnp.max(jnp.where(is_match, positions, -1), axis=2)  # [B, H]
+  offsets = latest[:, :, None] + n + jnp.arange(k)  # [B, H, k]
+  offered = (latest >= 0)[:, :, None] & (offsets < history.lengths[:, :, None])
+  tokens = jnp.take_along_axis(history.tokens, jnp.minimum(offsets, s - 1), axis=2)
+  same = ((tokens[:, :, None] == tokens[:, None]) & offered[:, :, None]
+          & offered[:, None])  # [B, H, H, k]: entries i and j agree at t
+  agree = jnp.cumprod(same, axis=-1).sum(axis=2)  # [B, H, k] on tokens <= t
+  leading = offered[:, :, 0]
+  for t in range(k):  # the greedy walk down the tree of offers
+    most = jnp.max(jnp.where(leading, agree[:, :, t], -1), axis=1, keepdims=True)
+    leading &= agree[:, :, t] == most
+  pick = jnp.argmax(jnp.where(leading, h - history.age, -1), axis=1)[:, None, None]
+  tokens = jnp.take_along_axis(tokens, pick, axis=1)[:, 0]
+  agreed = jnp.take_along_axis(agree, pick, axis=1)[:, 0]
+  voters = jnp.sum(latest >= 0, axis=1, keepdims=True)
+  sure = (agreed > 0) & (agreed >= min_share * voters)
+  return tokens, jnp.sum(jnp.cumprod(sure, axis=1), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +146,12 @@ class NGramDraft:
   min_ngram: int = 1
   cap_at_match: bool = False  # propose at most n tokens after an n-gram match
   history: int = 0  # earlier requests of the row's device it also looks in
-  # Shorter matches in other requests are mostly chance: on the shift
-  # stream 2-grams there added tokens per call but cost more in verification.
-  history_min_ngram: int = 3
+  history_min_ngram: int = 2
+  # The share of the history's requests with a match that must agree with a
+  # proposed token (history_vote). Copying the latest match instead, 2-grams
+  # were mostly chance: on the shift stream they added tokens per call but
+  # cost more in verification.
+  history_min_share: float = 0.5
   needs_hidden: bool = False
   commit_reads = False  # a class attribute, not a field
 
@@ -142,6 +162,9 @@ class NGramDraft:
     if self.history < 0 or self.history_min_ngram < 1:
       raise ValueError(f"Need history >= 0 and history_min_ngram >= 1, got"
                        f" {self.history} and {self.history_min_ngram}.")
+    if not 0 <= self.history_min_share <= 1:
+      raise ValueError(f"Need 0 <= history_min_share <= 1, got"
+                       f" {self.history_min_share}.")
 
   def lookup(self, ctx: Context, k: int,
              history: History | tuple = ()) -> tuple[jax.Array, jax.Array]:
@@ -162,10 +185,10 @@ class NGramDraft:
     for n in range(self.max_ngram, self.history_min_ngram - 1, -1):
       suffix = jnp.take_along_axis(
           ctx.tokens, jnp.maximum(length[:, None] - n + jnp.arange(n), 0), axis=1)
-      has, found, available = history_match(history, suffix, k)
-      take = has & (counts == 0) & (length >= n)
+      found, sure = history_vote(history, suffix, k, self.history_min_share)
+      take = (sure > 0) & (counts == 0) & (length >= n)
       tokens = jnp.where(take[:, None], found, tokens)
-      counts = jnp.where(take, jnp.minimum(available, min(n, k) if self.cap_at_match
+      counts = jnp.where(take, jnp.minimum(sure, min(n, k) if self.cap_at_match
                                            else k), counts)
     return tokens, counts
 
