@@ -191,3 +191,21 @@ def test_the_slots_of_a_device_share_its_history_on_any_number_of_devices():
       for leaf in jax.tree.leaves(ring):
         np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
     assert sum(int((ring.lengths[0] > 0).sum()) for ring in rings) == len(queries) - 4
+
+
+def test_the_lookup_replay_makes_the_engines_target_calls(model):
+  """experiments.bench_lookup replays lookup over greedy answers instead of
+  serving them: per request, its target calls equal the engine's, the
+  served-request history and its vote included."""
+  from experiments import bench_lookup  # pylint: disable=import-outside-toplevel
+  a, b, c = prompts_of_lengths([7, 5, 6], seed=4)
+  stream = [a, b, a, c, b, a, c]
+  drafter = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, cap_at_match=True, history=4,
+                       history_min_share=0.5)
+  results = engine(model, drafter).generate_ids(stream)
+  answers = [{"domain": "test", "prompt": p, "answer": r.token_ids}
+             for p, r in zip(stream, results)]
+  rows = bench_lookup.replay(drafter, answers, k=3, size=SIZE)
+  assert [r["calls"] for r in rows] == [r.metrics["target_calls"] for r in results]
+  assert [r["tokens"] for r in rows] == [len(r.token_ids) for r in results]
+  assert sum(r["accepted"] for r in rows) >= 10  # repeats were copied

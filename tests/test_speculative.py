@@ -347,7 +347,8 @@ def test_full_width_steps_turn_the_short_proposal_options_off():
       NGramDraft(VOCAB, max_ngram=4, min_ngram=2, cap_at_match=True))
   full = MultiDraft(short, 2).at_full_width().base
   assert full == HybridDraft(ModelDraft(config, confidence_threshold=0.6),
-                             NGramDraft(VOCAB, max_ngram=4, min_ngram=2))
+                             NGramDraft(VOCAB, max_ngram=4, min_ngram=2,
+                                        history_min_share=0.0))
 
 
 def test_a_confidence_threshold_must_be_a_probability():

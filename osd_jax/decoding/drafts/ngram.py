@@ -10,7 +10,8 @@ exact in sampling mode too.
 With `cap_at_match` a match of n tokens proposes at most n: a short match
 is weak evidence that the copy goes on. This pays when verification is
 trimmed to the proposal's width; steps at full width propose k anyway
-(`at_full_width`).
+(`at_full_width`), and there a vote in the history (below) proposes its
+winner's whole continuation.
 
 With `history` > 0 a row that finds no match in its own sequence looks in
 the last `history` requests its device served, prompts and outputs (as
@@ -219,4 +220,5 @@ class NGramDraft:
     return state.remember(*leaving)
 
   def at_full_width(self):
-    return dataclasses.replace(self, cap_at_match=False)
+    """Proposing more costs nothing there: no cap, and a vote's whole offer."""
+    return dataclasses.replace(self, cap_at_match=False, history_min_share=0.0)

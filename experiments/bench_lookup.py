@@ -1,0 +1,158 @@
+"""Replays n-gram lookup over the target's greedy answers: tuning it without serving.
+
+  python -m experiments.bench_lookup
+  python -m experiments.bench_lookup --history_mins=2,3 --min_shares=0,0.5
+
+The main job takes half an hour to serve its stream four times. Under greedy
+decoding, lookup's proposals depend only on the text, so once the target's
+answers are known every speculative step can be replayed: the lookup
+(NGramDraft.lookup, as served, with its history ring of earlier requests)
+proposes, the answer says how many proposed tokens the target keeps, and the
+step emits one more. The answers are generated once (target only, 8 slots)
+and cached in --output_dir.
+
+Prints, per segment over its last --tail requests and over the whole stream,
+for lookup without a history and for each --history_mins x --min_shares:
+tokens per target call, the share of proposed tokens accepted, and the
+speed-up over target-only these predict at one slot with trimmed
+verification (the target's verification pass on 1..k+1 positions, timed in
+this process). A predicted speed-up leaves out everything but the target's
+passes; the main job measures the rest (README, "The main job").
+"""
+
+import hashlib
+import json
+import os
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_common, cli, model_flags
+from osd_jax.data import streams
+from osd_jax.decoding import drafts
+from osd_jax.decoding.drafts.base import Context
+from osd_jax.decoding.drafts.ngram import History
+from osd_jax.decoding.engine import Engine
+
+DOMAINS = flags.DEFINE_list("domains", ["math", "sql", "code"], "Segments, in order.")
+NUM_REQUESTS = flags.DEFINE_integer("num_requests", 240, "Requests in the stream.")
+K = flags.DEFINE_integer("k", 4, "Draft tokens per step.", lower_bound=1)
+MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request.")
+CACHE_SIZE = flags.DEFINE_integer("cache_size", 512, "Positions per request.")
+TAIL = flags.DEFINE_integer("tail", 16, "Requests in each segment's last window.")
+HISTORY_MINS = flags.DEFINE_list("history_mins", ["2", "3"],
+                                 "--ngram_history_min values to replay.")
+MIN_SHARES = flags.DEFINE_list("min_shares", ["0", "0.3", "0.5", "0.7"],
+                               "--ngram_history_min_share values to replay.")
+OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs/bench_lookup",
+                                 "Where the greedy answers are cached.")
+REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds of each verification width.")
+
+
+def greedy_answers(target) -> list[dict]:
+  """Each request's domain, prompt ids and greedy answer, generated once."""
+  queries = streams.make_stream("shift", DOMAINS.value, NUM_REQUESTS.value, seed=0)
+  engine = Engine(target, k=0, max_new_tokens=MAX_NEW_TOKENS.value, num_slots=8,
+                  cache_size=CACHE_SIZE.value)
+  prompts = engine.encode([q.prompt for q in queries], chat=True)
+  key = hashlib.sha256(json.dumps([target.source, prompts, MAX_NEW_TOKENS.value])
+                       .encode()).hexdigest()[:16]
+  path = os.path.join(OUTPUT_DIR.value, f"greedy_{key}.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  print(f"generating the target's greedy answers to {len(prompts)} requests")
+  results = engine.generate_ids(prompts)
+  answers = [{"domain": q.domain, "prompt": p, "answer": r.token_ids}
+             for q, p, r in zip(queries, prompts, results)]
+  os.makedirs(OUTPUT_DIR.value, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(answers, f)
+  os.replace(path + ".tmp", path)
+  return answers
+
+
+def replay(lookup: drafts.NGramDraft, answers: list[dict], k: int,
+           size: int) -> list[dict]:
+  """Per request: target calls, tokens, proposed and accepted, and how many
+  steps proposed w tokens (`widths`), greedy, one slot of `size` positions."""
+  propose = jax.jit(lookup.lookup, static_argnums=1)
+  remember = jax.jit(History.remember)
+  ring = lookup.init_state(1, size)
+  out = []
+  for request in answers:
+    prompt, answer = request["prompt"], request["answer"]
+    text = np.zeros((1, size), np.int32)
+    text[0, :len(prompt) + len(answer)] = prompt + answer
+    tokens = jnp.asarray(text)  # a lookup reads only positions < its length
+    done, stats = 0, {"calls": 0, "proposed": 0, "accepted": 0, "widths": [0] * (k + 1)}
+    while done < len(answer):
+      ctx = Context(tokens, jnp.asarray([len(prompt) + done - 1], jnp.int32),
+                    jnp.zeros((1,), jnp.int32))
+      proposal, count = jax.device_get(propose(ctx, k, ring))
+      count = min(int(count[0]), len(answer) - done - 1)
+      accepted = 0
+      while accepted < count and proposal[0, accepted] == answer[done + accepted]:
+        accepted += 1
+      done += accepted + 1
+      stats["calls"] += 1
+      stats["proposed"] += count
+      stats["accepted"] += accepted
+      stats["widths"][count] += 1
+    out.append(dict(stats, domain=request["domain"], tokens=len(answer)))
+    if lookup.history:
+      ring = remember(ring, tokens[0], jnp.int32(len(prompt) + len(answer)))
+  return out
+
+
+def summarize(rows: list[dict], step_ms: list[float]) -> dict:
+  """Tokens per call, accepted share and predicted speed-up over `rows`."""
+  tokens = sum(r["tokens"] for r in rows)
+  calls = sum(r["calls"] for r in rows)
+  spent = sum(n * step_ms[w] for r in rows for w, n in enumerate(r["widths"]))
+  return {"tokens_per_call": tokens / calls,
+          "accepted": sum(r["accepted"] for r in rows) / max(1, sum(r["proposed"] for r in rows)),
+          "speedup": tokens * step_ms[0] / spent}
+
+
+def main(argv):
+  del argv
+  target = model_flags.load_target()
+  answers = greedy_answers(target)
+  k = K.value
+  timers = {w: bench_common.verify_timer(target.params, target.config, 1, k, w)
+            for w in range(1, k + 2)}
+  seconds = bench_common.interleaved_seconds(timers, REPEATS.value)
+  step_ms = [1e3 * seconds[w + 1] for w in range(k + 1)]  # by tokens proposed
+  print("trimmed verification at one slot, ms by positions 1.." + str(k + 1) + ": "
+        + " / ".join(f"{ms:.1f}" for ms in step_ms))
+  base = dict(vocab_size=target.config.vocab_size, max_ngram=model_flags.NGRAM_MAX.value,
+              min_ngram=model_flags.NGRAM_MIN.value,
+              cap_at_match=model_flags.NGRAM_CAP.value)
+  variants = {"no history": drafts.NGramDraft(**base)}
+  for least in HISTORY_MINS.value:
+    for share in MIN_SHARES.value:
+      variants[f"history from {least}-grams, share {share}"] = drafts.NGramDraft(
+          **base, history=model_flags.NGRAM_HISTORY.value or 64,
+          history_min_ngram=int(least), history_min_share=float(share))
+  segments = list(dict.fromkeys(a["domain"] for a in answers))
+  print(f"{len(answers)} requests; tokens per target call / accepted share /"
+        f" predicted speed-up, over each segment's last {TAIL.value} and the whole stream")
+  print(f"{'':34s}" + "  ".join(f"{name:20s}" for name in segments + ["whole"]))
+  for name, lookup in variants.items():
+    rows = replay(lookup, answers, k, CACHE_SIZE.value)
+    cells = []
+    for segment in segments:
+      tail = [r for r in rows if r["domain"] == segment][-TAIL.value:]
+      cells.append(summarize(tail, step_ms))
+    cells.append(summarize(rows, step_ms))
+    print(f"{name:34s}" + "  ".join(
+        f"{c['tokens_per_call']:.2f} / {c['accepted']:.2f} / {c['speedup']:.2f}x"
+        for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+  model_flags.serve_with_the_best_draft()
+  cli.run(main)
