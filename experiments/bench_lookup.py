@@ -4,12 +4,10 @@
   python -m experiments.bench_lookup --history_mins=2,3 --min_shares=0,0.5
 
 The main job takes half an hour to serve its stream four times. Under greedy
-decoding, lookup's proposals depend only on the text, so once the target's
-answers are known every speculative step can be replayed: the lookup
-(NGramDraft.lookup, as served, with its history ring of earlier requests)
-proposes, the answer says how many proposed tokens the target keeps, and the
-step emits one more. The answers are generated once (target only, 8 slots)
-and cached in --output_dir.
+decoding lookup's proposals depend only on the text, so this replays them
+over the target's greedy answers instead (osd_jax/decoding/lookup_replay.py;
+its target calls equal the engine's). The answers are generated once
+(target only, 8 slots) and cached in --output_dir.
 
 Prints, per segment over its last --tail requests and over the whole stream,
 for lookup without a history and for each --history_mins x --min_shares:
@@ -25,15 +23,10 @@ import json
 import os
 
 from absl import flags
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from experiments import bench_common, cli, model_flags
 from osd_jax.data import streams
-from osd_jax.decoding import drafts
-from osd_jax.decoding.drafts.base import Context
-from osd_jax.decoding.drafts.ngram import History
+from osd_jax.decoding import drafts, lookup_replay
 from osd_jax.decoding.engine import Engine
 
 DOMAINS = flags.DEFINE_list("domains", ["math", "sql", "code"], "Segments, in order.")
@@ -51,6 +44,22 @@ OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs/bench_lookup",
 REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds of each verification width.")
 
 
+def _all(parse, ok):
+  """A list-flag validator: every item parses and passes `ok`."""
+  def check(items):
+    try:
+      return all(ok(parse(item)) for item in items)
+    except ValueError:
+      return False
+  return check
+
+
+flags.register_validator(HISTORY_MINS, _all(int, lambda n: n >= 1),
+                         "--history_mins takes whole numbers >= 1.")
+flags.register_validator(MIN_SHARES, _all(float, lambda x: 0 <= x <= 1),
+                         "--min_shares takes numbers in [0, 1].")
+
+
 def greedy_answers(target) -> list[dict]:
   """Each request's domain, prompt ids and greedy answer, generated once."""
   queries = streams.make_stream("shift", DOMAINS.value, NUM_REQUESTS.value, seed=0)
@@ -61,8 +70,11 @@ def greedy_answers(target) -> list[dict]:
                        .encode()).hexdigest()[:16]
   path = os.path.join(OUTPUT_DIR.value, f"greedy_{key}.json")
   if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except (OSError, ValueError) as error:
+      print(f"{path} is unreadable ({error}): generating the answers again")
   print(f"generating the target's greedy answers to {len(prompts)} requests")
   results = engine.generate_ids(prompts)
   answers = [{"domain": q.domain, "prompt": p, "answer": r.token_ids}
@@ -72,39 +84,6 @@ def greedy_answers(target) -> list[dict]:
     json.dump(answers, f)
   os.replace(path + ".tmp", path)
   return answers
-
-
-def replay(lookup: drafts.NGramDraft, answers: list[dict], k: int,
-           size: int) -> list[dict]:
-  """Per request: target calls, tokens, proposed and accepted, and how many
-  steps proposed w tokens (`widths`), greedy, one slot of `size` positions."""
-  propose = jax.jit(lookup.lookup, static_argnums=1)
-  remember = jax.jit(History.remember)
-  ring = lookup.init_state(1, size)
-  out = []
-  for request in answers:
-    prompt, answer = request["prompt"], request["answer"]
-    text = np.zeros((1, size), np.int32)
-    text[0, :len(prompt) + len(answer)] = prompt + answer
-    tokens = jnp.asarray(text)  # a lookup reads only positions < its length
-    done, stats = 0, {"calls": 0, "proposed": 0, "accepted": 0, "widths": [0] * (k + 1)}
-    while done < len(answer):
-      ctx = Context(tokens, jnp.asarray([len(prompt) + done - 1], jnp.int32),
-                    jnp.zeros((1,), jnp.int32))
-      proposal, count = jax.device_get(propose(ctx, k, ring))
-      count = min(int(count[0]), len(answer) - done - 1)
-      accepted = 0
-      while accepted < count and proposal[0, accepted] == answer[done + accepted]:
-        accepted += 1
-      done += accepted + 1
-      stats["calls"] += 1
-      stats["proposed"] += count
-      stats["accepted"] += accepted
-      stats["widths"][count] += 1
-    out.append(dict(stats, domain=request["domain"], tokens=len(answer)))
-    if lookup.history:
-      ring = remember(ring, tokens[0], jnp.int32(len(prompt) + len(answer)))
-  return out
 
 
 def summarize(rows: list[dict], step_ms: list[float]) -> dict:
@@ -142,7 +121,7 @@ def main(argv):
         f" predicted speed-up, over each segment's last {TAIL.value} and the whole stream")
   print(f"{'':34s}" + "  ".join(f"{name:20s}" for name in segments + ["whole"]))
   for name, lookup in variants.items():
-    rows = replay(lookup, answers, k, CACHE_SIZE.value)
+    rows = lookup_replay.replay(lookup, answers, k, CACHE_SIZE.value)
     cells = []
     for segment in segments:
       tail = [r for r in rows if r["domain"] == segment][-TAIL.value:]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from osd_jax.checkpoints import draft as draft_lib
+from osd_jax.decoding import lookup_replay
 from osd_jax.decoding.drafts import Draft, HybridDraft, ModelDraft, NGramDraft
 from osd_jax.decoding.drafts.ngram import History
 from osd_jax.decoding.engine import Engine
@@ -194,10 +195,9 @@ def test_the_slots_of_a_device_share_its_history_on_any_number_of_devices():
 
 
 def test_the_lookup_replay_makes_the_engines_target_calls(model):
-  """experiments.bench_lookup replays lookup over greedy answers instead of
-  serving them: per request, its target calls equal the engine's, the
-  served-request history and its vote included."""
-  from experiments import bench_lookup  # pylint: disable=import-outside-toplevel
+  """lookup_replay (experiments.bench_lookup) replays lookup over greedy
+  answers instead of serving them: per request, its target calls equal the
+  engine's, the served-request history and its vote included."""
   a, b, c = prompts_of_lengths([7, 5, 6], seed=4)
   stream = [a, b, a, c, b, a, c]
   drafter = NGramDraft(VOCAB, max_ngram=3, min_ngram=2, cap_at_match=True, history=4,
@@ -205,7 +205,7 @@ def test_the_lookup_replay_makes_the_engines_target_calls(model):
   results = engine(model, drafter).generate_ids(stream)
   answers = [{"domain": "test", "prompt": p, "answer": r.token_ids}
              for p, r in zip(stream, results)]
-  rows = bench_lookup.replay(drafter, answers, k=3, size=SIZE)
+  rows = lookup_replay.replay(drafter, answers, k=3, size=SIZE)
   assert [r["calls"] for r in rows] == [r.metrics["target_calls"] for r in results]
   assert [r["tokens"] for r in rows] == [len(r.token_ids) for r in results]
   assert sum(r["accepted"] for r in rows) >= 10  # repeats were copied
