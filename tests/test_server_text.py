@@ -4,6 +4,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from osd_jax.serving.api.text import TextStream
+from osd_jax.serving.live_request import (Finished, LiveRequest, RequestParams,
+                                          RequestStats, Tokens)
 from tests import tiny_models
 
 EOS = 2
@@ -54,3 +56,21 @@ def test_a_split_character_waits_for_its_last_byte():
   deltas, _ = _stream(tok, [[i] for i in ids])
   assert "\ufffd" not in "".join(deltas) and "".join(deltas) == "café!"
   assert deltas[3] == ""  # the first byte of é alone
+
+
+def test_usage_counts_through_the_stop_when_the_engine_finished_first():
+  """The engine can finish a request before the handler's cancel reaches it
+  (a fast speculative call emits the rest at once): usage still counts the
+  tokens through the stop string, not what the engine made."""
+  from osd_jax.serving.api.app import _Run  # pylint: disable=import-outside-toplevel
+  tok = tiny_models.tokenizer()
+  ids = tok("w5 w6 w7 w8 w9")["input_ids"]
+  live = LiveRequest([1], RequestParams(max_tokens=len(ids)), lambda event: None)
+  run = _Run(live, TextStream(tok, EOS, ("w7",)))
+  stats = RequestStats(prompt_tokens=1, completion_tokens=len(ids), num_drafts=0,
+                       num_draft_tokens=0, num_accepted_tokens=0, accepted_per_pos=(),
+                       target_calls=1, alpha_sum=0.0, alpha_count=0.0)
+  text = run.take(Tokens(ids)) + run.take(Finished("length", stats))
+  assert text == "w5 w6 " and run.finish_reason == "stop"
+  assert run.stats.completion_tokens == run.text.stop_tokens < len(ids)
+  assert live.cancelled and live.tokens_used == run.text.stop_tokens

@@ -10,6 +10,7 @@ request, and the engine frees its slot at its next turn.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 
@@ -60,6 +61,10 @@ class _Run:
     assert isinstance(event, Finished)
     delta = self.text.finish()
     self.stats = event.stats
+    if self.text.stop_tokens is not None:
+      # The engine may have finished the request before the cancel reached it.
+      self.stats = dataclasses.replace(self.stats, completion_tokens=min(
+          self.stats.completion_tokens, self.text.stop_tokens))
     self.finish_reason = ("stop" if self.text.stop_tokens is not None
                           or event.reason == "eos" else "length")
     return delta
