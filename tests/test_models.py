@@ -98,23 +98,6 @@ def test_decoding_layout_equals_stacked_params(name):
     assert_close(chunked_logits(decoding, config, tokens, [5, 1, 6])[0], full)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 5), (2, 4), (1, 8), (1, 9), (3, 5)])
-def test_the_transposed_head_gives_the_products_logits(shape):
-  """On CPU the decoding layout keeps the head also as [V, D] and reads it
-  that way on 2-8 rows: the logits equal the plain product's."""
-  config = CONFIGS["restricted_head"]
-  params = random_params(config, seed=5)
-  fused = llama.for_decoding(params, config)
-  assert fused["lm_head_rows"].shape == fused["lm_head"].shape[::-1]
-  assert "lm_head_rows" not in llama.for_decoding(params, config, fuse=False)
-  hidden = jax.random.normal(jax.random.key(0), shape + (config.hidden_dim,))
-  plain = {"lm_head": fused["lm_head"]}
-  np.testing.assert_allclose(llama.head_logits(fused, config, hidden),
-                             hidden @ fused["lm_head"], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(llama.head_logits(fused, config, hidden),
-                             llama.head_logits(plain, config, hidden), rtol=1e-5, atol=1e-5)
-
-
 def test_window_narrower_than_the_cache_changes_nothing():
   """Attention reading only the first `window` positions sees every valid key."""
   config = CONFIGS["gqa"]

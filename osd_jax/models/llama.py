@@ -6,8 +6,6 @@ dict per layer (`for_decoding`: each cached step loops over layers, and on
 CPU no per-layer slice of a stacked array is copied).
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -335,31 +333,12 @@ def for_decoding(params: Params, config: LlamaConfig, *, fuse: bool = True) -> P
     params["layers"] = [fuse_projections(layer) for layer in params["layers"]]
   if config.tie_embeddings and "lm_head" not in params:
     params["lm_head"] = params["embed"].T
-  if fuse and jax.default_backend() == "cpu":
-    params["lm_head_rows"] = params["lm_head"].T
   return params
-
-
-# Rows for which head_logits reads the head transposed (see there).
-_ROWS_BY_REDUCE = range(2, 9)
 
 
 def head_logits(params: Params, config: LlamaConfig,
                 hidden: jax.Array) -> jax.Array:
-  """Logits over the head's rows (the full vocabulary unless restricted).
-
-  On 2-8 rows XLA's CPU matrix product costs about rows times the 1-row
-  product (it re-packs the head), so for_decoding keeps the head also
-  transposed, [V, D], and there the logits are a multiply-and-reduce whose
-  output is [V, rows]: each head row is read once for every input row (9.9
-  -> 6.5 ms on 5 rows of SmolLM2's head, README "Target-only decoding").
-  """
-  rows = math.prod(hidden.shape[:-1])
-  if "lm_head_rows" in params and rows in _ROWS_BY_REDUCE:
-    flat = hidden.reshape(rows, hidden.shape[-1])
-    kernel = params["lm_head_rows"].astype(hidden.dtype)
-    out = jnp.sum(kernel[:, None, :] * flat[None], axis=-1).T
-    return out.reshape(hidden.shape[:-1] + (kernel.shape[0],)).astype(jnp.float32)
+  """Logits over the head's rows (the full vocabulary unless restricted)."""
   kernel = params["lm_head"] if "lm_head" in params else params["embed"].T
   return (hidden @ kernel.astype(hidden.dtype)).astype(jnp.float32)
 
