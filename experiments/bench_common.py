@@ -1,5 +1,7 @@
 """Timing helpers shared by the benchmark scripts (one process, ratios only)."""
 
+import hashlib
+import json
 import os
 import tempfile
 import time
@@ -9,6 +11,7 @@ import numpy as np
 
 from osd_jax.checkpoints import loading
 from osd_jax.data import streams
+from osd_jax.decoding.engine import Engine
 from osd_jax.serving.driver import encode_prompts
 
 
@@ -34,6 +37,37 @@ def bench_prompts(model: loading.LoadedModel, batch_size: int, domain: str = "ma
   if len(ids) < batch_size:
     raise ValueError(f"Only {len(ids)} {domain} prompts fit in {max_tokens} tokens.")
   return ids[:batch_size]
+
+
+def greedy_answers(target: loading.LoadedModel, domains: list[str], num_requests: int,
+                   max_new_tokens: int, cache_size: int, cache_dir: str) -> list[dict]:
+  """Each request of the shift stream: its domain, prompt ids and greedy answer.
+
+  Generated once (target only, 8 slots) and cached in `cache_dir` under a
+  key of the target and the prompts; an unreadable cache is generated again.
+  """
+  queries = streams.make_stream("shift", domains, num_requests, seed=0)
+  engine = Engine(target, k=0, max_new_tokens=max_new_tokens, num_slots=8,
+                  cache_size=cache_size)
+  prompts = engine.encode([q.prompt for q in queries], chat=True)
+  key = hashlib.sha256(json.dumps([target.source, prompts, max_new_tokens])
+                       .encode()).hexdigest()[:16]
+  path = os.path.join(cache_dir, f"greedy_{key}.json")
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except (OSError, ValueError) as error:
+      print(f"{path} is unreadable ({error}): generating the answers again")
+  print(f"generating the target's greedy answers to {len(prompts)} requests")
+  results = engine.generate_ids(prompts)
+  answers = [{"domain": q.domain, "prompt": p, "answer": r.token_ids}
+             for q, p, r in zip(queries, prompts, results)]
+  os.makedirs(cache_dir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(answers, f)
+  os.replace(path + ".tmp", path)
+  return answers
 
 
 def export_for_torch(model: loading.LoadedModel, name: str) -> str:

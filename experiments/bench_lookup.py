@@ -18,16 +18,10 @@ this process). A predicted speed-up leaves out everything but the target's
 passes; the main job measures the rest (README, "The main job").
 """
 
-import hashlib
-import json
-import os
-
 from absl import flags
 
 from experiments import bench_common, cli, model_flags
-from osd_jax.data import streams
 from osd_jax.decoding import drafts, lookup_replay
-from osd_jax.decoding.engine import Engine
 
 DOMAINS = flags.DEFINE_list("domains", ["math", "sql", "code"], "Segments, in order.")
 NUM_REQUESTS = flags.DEFINE_integer("num_requests", 240, "Requests in the stream.")
@@ -60,32 +54,6 @@ flags.register_validator(MIN_SHARES, _all(float, lambda x: 0 <= x <= 1),
                          "--min_shares takes numbers in [0, 1].")
 
 
-def greedy_answers(target) -> list[dict]:
-  """Each request's domain, prompt ids and greedy answer, generated once."""
-  queries = streams.make_stream("shift", DOMAINS.value, NUM_REQUESTS.value, seed=0)
-  engine = Engine(target, k=0, max_new_tokens=MAX_NEW_TOKENS.value, num_slots=8,
-                  cache_size=CACHE_SIZE.value)
-  prompts = engine.encode([q.prompt for q in queries], chat=True)
-  key = hashlib.sha256(json.dumps([target.source, prompts, MAX_NEW_TOKENS.value])
-                       .encode()).hexdigest()[:16]
-  path = os.path.join(OUTPUT_DIR.value, f"greedy_{key}.json")
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        return json.load(f)
-    except (OSError, ValueError) as error:
-      print(f"{path} is unreadable ({error}): generating the answers again")
-  print(f"generating the target's greedy answers to {len(prompts)} requests")
-  results = engine.generate_ids(prompts)
-  answers = [{"domain": q.domain, "prompt": p, "answer": r.token_ids}
-             for q, p, r in zip(queries, prompts, results)]
-  os.makedirs(OUTPUT_DIR.value, exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    json.dump(answers, f)
-  os.replace(path + ".tmp", path)
-  return answers
-
-
 def summarize(rows: list[dict], step_ms: list[float]) -> dict:
   """Tokens per call, accepted share and predicted speed-up over `rows`."""
   tokens = sum(r["tokens"] for r in rows)
@@ -99,7 +67,9 @@ def summarize(rows: list[dict], step_ms: list[float]) -> dict:
 def main(argv):
   del argv
   target = model_flags.load_target()
-  answers = greedy_answers(target)
+  answers = bench_common.greedy_answers(
+      target, DOMAINS.value, NUM_REQUESTS.value, MAX_NEW_TOKENS.value,
+      CACHE_SIZE.value, OUTPUT_DIR.value)
   k = K.value
   timers = {w: bench_common.verify_timer(target.params, target.config, 1, k, w)
             for w in range(1, k + 2)}

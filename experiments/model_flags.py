@@ -48,7 +48,13 @@ DRAFT_CONFIDENCE = flags.DEFINE_float(
     " this probability (Hugging Face's assistant_confidence_threshold); 0"
     " always drafts k tokens.")
 EAGLE_ROLLOUT = flags.DEFINE_integer(
-    "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.")
+    "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.",
+    lower_bound=1)
+EAGLE_LEVEL_DECAY = flags.DEFINE_float(
+    "eagle_level_decay", 1.0, "Weight of the feature draft's rollout step s in its"
+    " loss: this to the power s - 1 (1: every step alike). Steps share one block,"
+    " and a later step counts only where the earlier ones were accepted.",
+    lower_bound=0.0, upper_bound=1.0)
 DRAFT_STOP_BEFORE = flags.DEFINE_bool(
     "draft_stop_before_unconfident", False,
     "With --draft_confidence_threshold above 0.5, leave out the draw that fell"
@@ -157,13 +163,7 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
                         + (f", in the last {NGRAM_HISTORY.value} requests too"
                            if NGRAM_HISTORY.value else ""))
   if kind == "eagle":
-    head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
-            if DRAFT_HEAD_VOCAB.value else None)
-    draft = drafts.Draft(
-        drafts.FeatureDraft(eagle.FeatureConfig(target.config, head),
-                            rollout=EAGLE_ROLLOUT.value),
-        eagle.init_params(target.params, target.config),
-        f"eagle block on {target.source}" + (f", head {len(head)} tokens" if head else ""))
+    draft = feature_draft(target, EAGLE_ROLLOUT.value, EAGLE_LEVEL_DECAY.value)
   else:
     model = load_draft_model(target, kind)
     draft = drafts.Draft(drafts.ModelDraft(model.config), model.params, model.source)
@@ -192,6 +192,19 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
                         + (f" (and {NGRAM_HISTORY.value} served requests)"
                            if NGRAM_HISTORY.value else ""))
   return draft
+
+
+def feature_draft(target: loading.LoadedModel, rollout: int,
+                  level_decay: float) -> drafts.Draft:
+  """A new feature draft (--draft=eagle) trained to roll out `rollout` steps,
+  level s weighing `level_decay ** (s - 1)`."""
+  head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
+          if DRAFT_HEAD_VOCAB.value else None)
+  return drafts.Draft(
+      drafts.FeatureDraft(eagle.FeatureConfig(target.config, head), rollout=rollout,
+                          level_decay=level_decay),
+      eagle.init_params(target.params, target.config),
+      f"eagle block on {target.source}" + (f", head {len(head)} tokens" if head else ""))
 
 
 def warm_started(target: loading.LoadedModel, draft: drafts.Draft) -> drafts.Draft:

@@ -1,5 +1,6 @@
 """The feature draft: training rollout equals decoding, rollback equals prefill, it learns."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,7 +12,7 @@ from osd_jax.decoding import speculative
 from osd_jax.decoding.drafts import Context, FeatureDraft
 from osd_jax.decoding.prefill import prefill_hidden
 from osd_jax.decoding.sampling import GREEDY
-from osd_jax.distillation import objectives, update
+from osd_jax.distillation import objectives, rollout_alpha, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models import eagle, llama
 from tests.tiny_models import pair
@@ -136,3 +137,58 @@ def test_distillation_lowers_the_loss_and_raises_agreement():
   after = distill(params2, opt, buffer)[2]
   assert int(skipped) == 0
   assert float(after) < 0.8 * float(before), (before, after)
+
+
+def test_rollout_alpha_is_each_steps_acceptance_after_a_right_prefix():
+  """rollout_alpha's level s equals step s of proposals decoded one token at a
+  time, fed the text's own tokens, from every start inside the generation."""
+  target, drafter, params, tparams = setup()
+  rng = np.random.default_rng(4)
+  length, gen_start = 14, 4
+  tokens = jnp.asarray(rng.integers(3, 64, (1, length)), jnp.int32)
+  generated = (jnp.arange(length - 1) < length - 1 - gen_start)[None]  # 9 tokens
+  got = rollout_alpha.level_sums(params, tparams, tokens, jnp.asarray([gen_start]),
+                                 generated.astype(jnp.float32), drafter=drafter,
+                                 target_config=target.config, depth=K)
+  bound = eagle.bind(params, tparams, drafter.config)
+  hidden = features(target, tokens)
+  p = jax.nn.softmax(llama.logits(target.params, target.config, hidden), -1)[0]
+  head = np.asarray(drafter.config.head_token_ids)
+  # One program each (prefill reads the whole text, but only the first m + 1
+  # tokens count: the cache keeps m positions and the feature comes from m - 1).
+  prefill = jax.jit(lambda n: drafter.prefill(bound, drafter.init_state(1, 32),
+                                              tokens, n, hidden))
+  step = jax.jit(lambda token, feature, cache: eagle.forward(
+      bound, drafter.config, token, feature[:, None], cache))
+  want = np.zeros((K, 3))
+  for m in range(gen_start, length - 1):  # a proposal after c_0..c_m
+    state = prefill(jnp.asarray([m + 1]))
+    feature, cache = state.feature, state.cache
+    for s in range(1, min(K, length - 1 - m) + 1):
+      if s > 1:  # the text's token, with the previous step's feature
+        out, cache = step(tokens[:, m + s - 1:m + s], feature, cache)
+        feature = out[:, 0]
+      q = jax.nn.softmax(eagle.head_logits(bound, feature), -1)[0]
+      alpha = float(jnp.minimum(p[m + s - 1, head], q).sum())
+      agree = float(head[int(jnp.argmax(q))] == int(tokens[0, m + s]))
+      want[s - 1] += (alpha, agree, 1.0)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+  assert want[:, 0].min() < want[:, 2].min() - 0.5  # not all accepted
+
+
+def test_level_decay_weighs_the_later_rollout_steps():
+  """Step s of the rollout weighs decay ** (s - 1): each step's own sums come
+  from rollouts one step shorter (decay 1), and decay 0 is rollout 1."""
+  target, drafter, params, tparams = setup(head=False)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(3, 64, (4, 16)), jnp.int32)
+  buffer = buffer_of(target, tokens, jnp.full((4,), 5))
+  p = update.teacher_probs(tparams, target.config, buffer)
+  sums = lambda **change: np.asarray(objectives.loss_sum(
+      dataclasses.replace(drafter, **change), params, tparams, buffer, p,
+      update.DistillConfig()))
+  upto = [np.zeros(2)] + [sums(rollout=s) for s in range(1, K + 1)]
+  each = [upto[s] - upto[s - 1] for s in range(1, K + 1)]  # (loss, weight) of step s
+  assert each[1][0] / each[1][1] != pytest.approx(each[0][0] / each[0][1], rel=1e-3)
+  for decay in (0.0, 0.5):
+    want = sum(decay ** s * x for s, x in enumerate(each))
+    np.testing.assert_allclose(sums(level_decay=decay), want, rtol=1e-5)

@@ -48,7 +48,8 @@ def _feature_draft(drafter: FeatureDraft, params, target_params, buffer, p, cfg)
 
   Level s at position j predicts c_{j+2} as the s-th token of a proposal
   made after committing j - s + 2 tokens, so it counts only for generated
-  tokens g >= s - 1: a real proposal never starts inside the prompt.
+  tokens g >= s - 1: a real proposal never starts inside the prompt. It
+  weighs `level_decay ** (s - 1)`.
   """
   bound = eagle.bind(params, target_params, drafter.config)
   outputs = eagle.rollout(bound, drafter.config, buffer.tokens, buffer.hidden,
@@ -70,7 +71,7 @@ def _feature_draft(drafter: FeatureDraft, params, target_params, buffer, p, cfg)
     p_t, log_q = losses.tempered(p, eagle.head_logits(bound, feature),
                                  cfg.temperature)
     regression = optax.huber_loss(feature, wanted).mean(-1)
-    w = weight * (g >= level - 1)
+    w = weight * (g >= level - 1) * drafter.level_decay ** (level - 1)
     total += (w * (divergence(p_t, log_q) + drafter.feature_weight * regression)).sum()
     count += w.sum()
   return total, count

@@ -37,6 +37,9 @@ class FeatureDraft:
   config: eagle.FeatureConfig
   rollout: int = 4  # draft steps trained per position (>= the k served)
   feature_weight: float = 0.1  # smooth-L1 on predicted features, beside the KL
+  # Rollout level s weighs level_decay ** (s - 1) in the loss: step s only
+  # counts if steps 1..s-1 were accepted, and the levels share one block.
+  level_decay: float = 1.0
   needs_hidden: bool = True
   commit_reads = True  # a class attribute, not a field
 
