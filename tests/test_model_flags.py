@@ -83,3 +83,15 @@ def test_a_default_stop_before_waits_for_a_threshold_above_a_half():
       with flagsaver.flagsaver(**dict(saved, draft_confidence_threshold=threshold)):
         drafter = model_flags.load_draft(target).drafter
       assert drafter.stop_before_unconfident == applies
+
+
+def test_the_feature_draft_flags_reach_the_drafter():
+  target = tiny_model()
+  saved = dict(draft="eagle", hybrid=False, draft_head_vocab=0, warm_start="none",
+               draft_confidence_threshold=0.0, eagle_rollout=3, eagle_level_decay=0.5)
+  with flagsaver.flagsaver(**saved):
+    drafter = model_flags.load_draft(target).drafter
+  assert (drafter.rollout, drafter.level_decay) == (3, 0.5)
+  for bad in ("-0.1", "1.5"):
+    with flagsaver.flagsaver(), pytest.raises(flags.IllegalFlagValueError):
+      flags.FLAGS["eagle_level_decay"].parse(bad)
