@@ -39,6 +39,16 @@ def bench_prompts(model: loading.LoadedModel, batch_size: int, domain: str = "ma
   return ids[:batch_size]
 
 
+def every_item(parse, ok):
+  """A list-flag validator: every item parses and passes `ok`."""
+  def check(items):
+    try:
+      return all(ok(parse(item)) for item in items)
+    except ValueError:
+      return False
+  return check
+
+
 def greedy_answers(target: loading.LoadedModel, domains: list[str], num_requests: int,
                    max_new_tokens: int, cache_size: int, cache_dir: str) -> list[dict]:
   """Each request of the shift stream: its domain, prompt ids and greedy answer.

@@ -38,19 +38,9 @@ OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs/bench_lookup",
 REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds of each verification width.")
 
 
-def _all(parse, ok):
-  """A list-flag validator: every item parses and passes `ok`."""
-  def check(items):
-    try:
-      return all(ok(parse(item)) for item in items)
-    except ValueError:
-      return False
-  return check
-
-
-flags.register_validator(HISTORY_MINS, _all(int, lambda n: n >= 1),
+flags.register_validator(HISTORY_MINS, bench_common.every_item(int, lambda n: n >= 1),
                          "--history_mins takes whole numbers >= 1.")
-flags.register_validator(MIN_SHARES, _all(float, lambda x: 0 <= x <= 1),
+flags.register_validator(MIN_SHARES, bench_common.every_item(float, lambda x: 0 <= x <= 1),
                          "--min_shares takes numbers in [0, 1].")
 
 

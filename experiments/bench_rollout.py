@@ -47,19 +47,9 @@ NUM_REQUESTS = flags.DEFINE_integer("num_requests", 240, "Requests in the stream
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per answer.")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs/bench_lookup",
                                  "Where the greedy answers are cached.")
-flags.register_validator(
-    ROLLOUTS, lambda items: all(s.isdigit() and int(s) >= 1 for s in items),
-    "--rollouts takes whole numbers >= 1.")
-
-
-def _decays_ok(items) -> bool:
-  try:
-    return bool(items) and all(0 <= float(x) <= 1 for x in items)
-  except ValueError:
-    return False
-
-
-flags.register_validator(LEVEL_DECAYS, _decays_ok,
+flags.register_validator(ROLLOUTS, bench_common.every_item(int, lambda n: n >= 1),
+                         "--rollouts takes whole numbers >= 1.")
+flags.register_validator(LEVEL_DECAYS, bench_common.every_item(float, lambda x: 0 <= x <= 1),
                          "--level_decays takes numbers in [0, 1].")
 
 _ROWS = 4  # answers scored per compiled call
@@ -79,14 +69,8 @@ def score(draft, target, seqs, depth: int, length: int) -> np.ndarray:
   """[depth, 2]: alpha and greedy agreement of each step over `seqs`."""
   total = np.zeros((depth, 3))
   for start in range(0, len(seqs), _ROWS):
-    batch = seqs[start:start + _ROWS]
-    tokens = np.full((_ROWS, length), target.config.pad_id, np.int32)
-    gen_start = np.zeros((_ROWS,), np.int32)
-    weight = np.zeros((_ROWS, length - 1), np.float32)
-    for i, (ids, prompt_len) in enumerate(batch):
-      tokens[i, :len(ids)] = ids
-      gen_start[i] = prompt_len - 1
-      weight[i, :len(ids) - prompt_len] = 1.0
+    tokens, gen_start, weight = warm_start.packed(
+        seqs[start:start + _ROWS], length, target.config.pad_id, rows=_ROWS)
     total += np.asarray(rollout_alpha.level_sums(
         draft.params, target.params, jnp.asarray(tokens), jnp.asarray(gen_start),
         jnp.asarray(weight), drafter=draft.drafter, target_config=target.config,

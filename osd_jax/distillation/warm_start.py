@@ -122,17 +122,25 @@ def _teacher_batch(params, tokens_BxL, gen_start_B, *, config, teacher_k, keep_h
   return ids, probs, (hidden.astype(jnp.bfloat16) if keep_hidden else None)
 
 
-def teacher_data(target: LoadedModel, sequences, cfg: WarmStartConfig,
-                 keep_hidden: bool, support: tuple[int, ...] | None = None) -> Buffer:
-  """A Buffer of every sequence with its teacher (host arrays, one row each)."""
-  n, length = len(sequences), cfg.seq_len
-  tokens = np.full((n, length), target.config.pad_id, np.int32)
+def packed(sequences, length: int, pad_id: int, rows: int | None = None):
+  """(tokens [N, L], gen_start [N], loss weight [N, L-1]) of (token ids,
+  prompt length) pairs, padded to `length` and to `rows` rows (weight 0)."""
+  n = len(sequences) if rows is None else rows
+  tokens = np.full((n, length), pad_id, np.int32)
   gen_start = np.zeros((n,), np.int32)
   weight = np.zeros((n, length - 1), np.float32)
   for i, (ids, prompt_len) in enumerate(sequences):
     tokens[i, :len(ids)] = ids
     gen_start[i] = prompt_len - 1
     weight[i, :len(ids) - prompt_len] = 1.0
+  return tokens, gen_start, weight
+
+
+def teacher_data(target: LoadedModel, sequences, cfg: WarmStartConfig,
+                 keep_hidden: bool, support: tuple[int, ...] | None = None) -> Buffer:
+  """A Buffer of every sequence with its teacher (host arrays, one row each)."""
+  n, length = len(sequences), cfg.seq_len
+  tokens, gen_start, weight = packed(sequences, length, target.config.pad_id)
   parts = {"ids": [], "probs": [], "hidden": []}
   bar = progress.bar(n, "warm start: target teacher", "sequences")
   for start in range(0, n, cfg.batch_size):
