@@ -239,6 +239,16 @@ def bandwidth_gb_s(num_bytes: int, repeats: int = 5) -> float:
   return num_bytes / seconds / 1e9
 
 
-def weight_bytes(params) -> int:
-  """Bytes of every parameter array (what a decode step must read)."""
-  return sum(x.nbytes for x in jax.tree.leaves(params))
+def weight_bytes(params, config) -> int:
+  """Bytes a one-token decode step reads: each kernel of the decoding layout
+  once (its float32 copy where it keeps one, see llama.matmul), the
+  embedding aside (the step reads one row of it)."""
+  from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
+
+  def read(weights: dict) -> int:
+    return sum(read(w) if isinstance(w, dict) else w.nbytes
+               for name, w in weights.items()
+               if name != "embed" and name + llama.WIDE not in weights)
+
+  layout = llama.for_decoding(params, config)
+  return read(dict(layout, layers={str(i): w for i, w in enumerate(layout["layers"])}))

@@ -40,7 +40,7 @@ PACKED_POSITIONS = (8, 16, 24, 40)  # positions 8 rows' proposals fill, in all
 def step_costs(target) -> dict:
   """Bandwidth limit and cached-forward costs (ms), measured in this process."""
   params, config = target.params, target.config
-  weights = bench_common.weight_bytes(params)
+  weights = bench_common.weight_bytes(params, config)
   gb_s = bench_common.bandwidth_gb_s(weights, repeats=REPEATS.value)
   timers = {(b, t): bench_common.forward_timer(params, config, b, t)
             for b, t in [(1, t) for t in range(1, 10)] + [(8, 1)]}

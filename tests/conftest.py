@@ -54,6 +54,17 @@ def smollm2():
   return loading.load()
 
 
+@pytest.fixture(autouse=True)
+def _host_independent_precision(monkeypatch):
+  """Tests compute as a host without AMX does: no learning in bfloat16
+  unless a test asks (tests/test_narrow_weights.py). Many compare two
+  equivalent computations to float32 tolerances, and the CI host may have
+  AMX or not. Entry points the suite starts as processes choose for
+  themselves."""
+  from osd_jax import hardware  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(hardware, "bfloat16_matmuls_are_fast", lambda: False)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs():
   """Drops every compiled program after each test module.

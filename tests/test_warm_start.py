@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from osd_jax import hardware
 from osd_jax.decoding.drafts import Draft, FeatureDraft, ModelDraft
 from osd_jax.distillation import warm_start
 from osd_jax.models import eagle
@@ -48,13 +49,15 @@ def test_built_once_then_reused(tmp_path):
   assert len(os.listdir(tmp_path)) == 1
 
 
-@pytest.mark.parametrize("change", ["setting", "target", "draft"])
-def test_a_change_rebuilds(tmp_path, change):
+@pytest.mark.parametrize("change", ["setting", "target", "draft", "host"])
+def test_a_change_rebuilds(tmp_path, change, monkeypatch):
   target, draft = model_draft()
   build(tmp_path, target, draft)
   cfg = CFG
   if change == "setting":
     cfg = dataclasses.replace(CFG, epochs=1)
+  elif change == "host":  # one whose matrix units make it learn in bfloat16
+    monkeypatch.setattr(hardware, "bfloat16_matmuls_are_fast", lambda: True)
   elif change == "target":
     target = dataclasses.replace(target, params=jax.tree.map(lambda x: x * 1.01,
                                                              target.params))

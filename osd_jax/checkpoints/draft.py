@@ -45,9 +45,12 @@ def derive(target: LoadedModel, layers: Sequence[int],
     changes.update(tie_embeddings=False, head_token_ids=head_token_ids)
   elif not target.config.tie_embeddings:
     params["lm_head"] = head
+  # A draft learns, so it keeps its weights in the compute dtype even where
+  # the frozen target stores narrower ones (bfloat16 under float32).
+  changes.update(param_dtype=target.config.dtype)
   config = target.config.replace(**changes)
   # Copies, so training the draft never aliases the target's buffers.
-  params = jax.tree.map(jnp.array, params)
+  params = jax.tree.map(lambda w: jnp.array(w, config.jnp_param_dtype), params)
   source = f"derived from {target.source}: layers {layers}" + (
       f", head {len(head_token_ids)} tokens" if head_token_ids else "")
   return LoadedModel(config, params, target.tokenizer, source)

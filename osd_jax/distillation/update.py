@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from osd_jax import hardware
 from osd_jax.distillation import losses, teacher
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models import llama
@@ -34,9 +35,17 @@ class DistillConfig:
   # draft cut from SmolLM2 that is 28 M of its 40 M weights, and 226 MB of Adam
   # moments.
   train_embedding: bool = False
+  # The dtype the draft's matmuls take their inputs in while it learns;
+  # master weights, gradients and optimizer state stay float32. None:
+  # bfloat16 where its products are fast (a CPU with AMX, see hardware.py),
+  # else the weights' own. On that CPU only the forward products gain: XLA
+  # runs the backward ones (a transposed operand) at float32 speed.
+  matmul_dtype: str | None = None
 
   def __post_init__(self):
     losses.divergence(self.loss, self.beta)  # raises on an unknown name
+    if self.matmul_dtype not in (None, "float32", "bfloat16"):
+      raise ValueError(f"matmul_dtype must be float32 or bfloat16, got {self.matmul_dtype!r}.")
     if self.temperature <= 0:
       raise ValueError(f"Loss temperature must be > 0, got {self.temperature}.")
 
@@ -99,11 +108,35 @@ def init_opt_state(params, cfg: DistillConfig):
   return make_optimizer(cfg).init(split_trained(params, cfg)[0])
 
 
+def learning_matmul_dtype(cfg: DistillConfig) -> str | None:
+  """cfg.matmul_dtype resolved on this host (None: the weights' own)."""
+  if cfg.matmul_dtype is not None:
+    return cfg.matmul_dtype
+  return "bfloat16" if hardware.bfloat16_matmuls_are_fast() else None
+
+
+def with_matmul_dtype(params, dtype: str | None):
+  """Every kernel (2+ dimensions) in `dtype`, the embedding aside: it is
+  gathered, not multiplied. Differentiating through the cast gives float32
+  gradients of the float32 weights."""
+  if dtype is None:
+    return params
+  def cast(path, w):
+    named = [getattr(key, "key", None) for key in path]
+    if _EMBEDDING in named or w.ndim < 2 or w.dtype == jnp.dtype(dtype):
+      return w
+    return w.astype(dtype)
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def value_and_trained_grads(objective, params, cfg: DistillConfig):
-  """jax.value_and_grad(objective, has_aux=True), over the trained part only."""
+  """jax.value_and_grad(objective, has_aux=True), over the trained part only,
+  with the kernels in the learning matmul dtype."""
   trained, frozen = split_trained(params, cfg)
-  return jax.value_and_grad(lambda t: objective(joined(t, frozen)),
-                            has_aux=True)(trained)
+  dtype = learning_matmul_dtype(cfg)
+  return jax.value_and_grad(
+      lambda t: objective(with_matmul_dtype(joined(t, frozen), dtype)),
+      has_aux=True)(trained)
 
 
 def _generated_hidden(params, config, buffer: Buffer) -> jax.Array:

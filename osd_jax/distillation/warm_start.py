@@ -69,7 +69,8 @@ def cache_key(target: LoadedModel, draft: Draft, cfg: WarmStartConfig) -> str:
       "target_weights": _weights_digest(target.params),
       "drafter": repr(draft.drafter),
       "draft_weights": _weights_digest(draft.params),
-      "settings": dataclasses.asdict(cfg)}
+      "settings": dataclasses.asdict(cfg),
+      "matmul_dtype": update.learning_matmul_dtype(cfg.distill)}
   text = json.dumps(described, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -116,7 +117,7 @@ def _teacher_batch(params, tokens_BxL, gen_start_B, *, config, teacher_k, keep_h
   else:
     columns = jnp.asarray(support)
     kernel = params["lm_head"] if "lm_head" in params else params["embed"].T
-    p = jax.nn.softmax((at @ kernel[:, columns]).astype(jnp.float32), -1)
+    p = jax.nn.softmax(llama.matmul(at, kernel[:, columns]).astype(jnp.float32), -1)
     rank, probs = teacher.top_k(p, teacher_k)
     ids = columns[rank]
   return ids, probs, (hidden.astype(jnp.bfloat16) if keep_hidden else None)

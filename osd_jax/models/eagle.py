@@ -70,7 +70,7 @@ def _inputs(params, tokens_BxT, features_BxTxD) -> jax.Array:
   """fc([embedding of c_{j+1}; f_j]) at every position j."""
   e = params["embed"][tokens_BxT].astype(jnp.float32)
   x = jnp.concatenate([e, features_BxTxD.astype(jnp.float32)], axis=-1)
-  return x @ params["fc"]
+  return llama.matmul(x, params["fc"])
 
 
 def forward(params: dict, config: FeatureConfig, tokens_BxT, features_BxTxD,
@@ -94,7 +94,7 @@ def forward(params: dict, config: FeatureConfig, tokens_BxT, features_BxTxD,
 
 def head_logits(params: dict, features) -> jax.Array:
   """Logits over the head's rows."""
-  return (features.astype(jnp.float32) @ params["lm_head"].astype(jnp.float32))
+  return llama.matmul(features.astype(jnp.float32), params["lm_head"])
 
 
 def logits(params: dict, config: FeatureConfig, features) -> jax.Array:

@@ -101,19 +101,52 @@ def attend(q_BxTxHxD: jax.Array, keys_NxDxS: jax.Array, values_NxSxD: jax.Array,
   return out.reshape(b, t, h * d)
 
 
+# A narrow (bfloat16) kernel's exact float32 copy, kept beside it in the CPU
+# decoding layout for products of one row (see matmul and for_decoding).
+WIDE = "_wide"
+
+
+def matmul(x: jax.Array, kernel: jax.Array, wide: jax.Array | None = None) -> jax.Array:
+  """x @ kernel in x's dtype; for a kernel stored narrower than x (bfloat16
+  weights, float32 activations), bfloat16 inputs with float32 accumulation.
+
+  The narrow kernel is never widened inside the program: on a CPU with AMX
+  bfloat16 products of 2+ rows run several times faster than float32 ones.
+  But XLA's CPU matrix-vector product in bfloat16 is ten times slower than
+  in float32, so a single row uses `wide` (the kernel's float32 copy) on
+  the same bfloat16-rounded input (the same function either way), or is
+  padded to two rows when there is no copy.
+  """
+  if jnp.dtype(kernel.dtype).itemsize >= jnp.dtype(x.dtype).itemsize:
+    return x @ kernel.astype(x.dtype)
+  rows = x.reshape(-1, x.shape[-1]).astype(kernel.dtype)
+  n = rows.shape[0]
+  if n == 1 and wide is not None:
+    out = rows.astype(wide.dtype) @ wide
+  else:
+    if n == 1 and jax.default_backend() == "cpu":
+      rows = jnp.pad(rows, ((0, 1), (0, 0)))
+    out = jnp.dot(rows, kernel, preferred_element_type=x.dtype)[:n]
+  return out.astype(x.dtype).reshape(x.shape[:-1] + kernel.shape[-1:])
+
+
+def _product(x: jax.Array, weights: dict, name: str) -> jax.Array:
+  """x @ weights[name], with its wide copy when the layout keeps one."""
+  return matmul(x, weights[name], weights.get(name + WIDE))
+
+
 def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
   """A block's queries, keys and values [B, T, heads, D], rotary applied."""
   b, t, _ = x.shape
-  dtype = x.dtype
   h = rms_norm(x, layer["attn_norm"], config.rms_eps)
   if "wqkv" in layer:  # the fused layout (see fuse_projections)
     q_width = config.num_heads * config.head_dim
-    qkv = h @ layer["wqkv"].astype(dtype)
+    qkv = _product(h, layer, "wqkv")
     q, k, v = jnp.split(qkv, [q_width, q_width + config.num_kv_heads * config.head_dim],
                         axis=-1)
   else:
-    q = h @ layer["wq"].astype(dtype)
-    k, v = h @ layer["wk"].astype(dtype), h @ layer["wv"].astype(dtype)
+    q = _product(h, layer, "wq")
+    k, v = _product(h, layer, "wk"), _product(h, layer, "wv")
   q = q.reshape(b, t, config.num_heads, -1)
   k = k.reshape(b, t, config.num_kv_heads, -1)
   v = v.reshape(b, t, config.num_kv_heads, -1)
@@ -123,14 +156,13 @@ def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
 
 def block_output(config: LlamaConfig, layer, x, attn_BxTxHD):
   """The rest of a pre-norm block after attention: projection, residual, MLP."""
-  dtype = x.dtype
-  x = x + attn_BxTxHD @ layer["wo"].astype(dtype)
+  x = x + _product(attn_BxTxHD, layer, "wo")
   h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
   if "w_gate_up" in layer:
-    gate, up = jnp.split(h @ layer["w_gate_up"].astype(dtype), 2, axis=-1)
+    gate, up = jnp.split(_product(h, layer, "w_gate_up"), 2, axis=-1)
   else:
-    gate, up = h @ layer["w_gate"].astype(dtype), h @ layer["w_up"].astype(dtype)
-  return x + (jax.nn.silu(gate) * up) @ layer["w_down"].astype(dtype)
+    gate, up = _product(h, layer, "w_gate"), _product(h, layer, "w_up")
+  return x + _product(jax.nn.silu(gate) * up, layer, "w_down")
 
 
 def decoder_layer(config: LlamaConfig, x, layer, positions_BxT, store, starts_B,
@@ -333,14 +365,28 @@ def for_decoding(params: Params, config: LlamaConfig, *, fuse: bool = True) -> P
     params["layers"] = [fuse_projections(layer) for layer in params["layers"]]
   if config.tie_embeddings and "lm_head" not in params:
     params["lm_head"] = params["embed"].T
+  if jax.default_backend() == "cpu":
+    params["layers"] = [with_wide_kernels(layer, config) for layer in params["layers"]]
+    params = with_wide_kernels(params, config)
   return params
+
+
+def with_wide_kernels(weights: dict, config: LlamaConfig) -> dict:
+  """Each 2-D kernel stored narrower than the compute dtype gets its exact
+  copy in that dtype (matmul reads it for single rows). Idempotent."""
+  wide = {name + WIDE: w.astype(config.jnp_dtype) for name, w in weights.items()
+          if name != "embed" and not name.endswith(WIDE) and name + WIDE not in weights
+          and getattr(w, "ndim", 0) == 2
+          and jnp.dtype(w.dtype).itemsize < jnp.dtype(config.jnp_dtype).itemsize}
+  return dict(weights, **wide)
 
 
 def head_logits(params: Params, config: LlamaConfig,
                 hidden: jax.Array) -> jax.Array:
   """Logits over the head's rows (the full vocabulary unless restricted)."""
-  kernel = params["lm_head"] if "lm_head" in params else params["embed"].T
-  return (hidden @ kernel.astype(hidden.dtype)).astype(jnp.float32)
+  if "lm_head" in params:
+    return _product(hidden, params, "lm_head").astype(jnp.float32)
+  return matmul(hidden, params["embed"].T).astype(jnp.float32)
 
 
 def full_vocab(config: LlamaConfig, head_logits_xH: jax.Array) -> jax.Array:
