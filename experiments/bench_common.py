@@ -60,7 +60,10 @@ def greedy_answers(target: loading.LoadedModel, domains: list[str], num_requests
   engine = Engine(target, k=0, max_new_tokens=max_new_tokens, num_slots=8,
                   cache_size=cache_size)
   prompts = engine.encode([q.prompt for q in queries], chat=True)
-  key = hashlib.sha256(json.dumps([target.source, prompts, max_new_tokens])
+  # Weights stored narrower than float32 make another model (keys of float32
+  # targets are as they were, so their caches stay valid).
+  narrow = [] if target.config.param_dtype == "float32" else [target.config.param_dtype]
+  key = hashlib.sha256(json.dumps([target.source, prompts, max_new_tokens] + narrow)
                        .encode()).hexdigest()[:16]
   path = os.path.join(cache_dir, f"greedy_{key}.json")
   if os.path.exists(path):
