@@ -19,6 +19,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
+# Compute as a host without AMX does (osd_jax/hardware.py): many tests compare
+# two equivalent computations to float32 tolerances, and the CI host may have
+# AMX or not. tests/test_narrow_weights.py asks for the AMX paths itself.
+os.environ.setdefault("OSD_JAX_BFLOAT16_MATMULS", "0")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
@@ -52,17 +56,6 @@ def smollm2():
   """The embedded default target, loaded once per test session."""
   from osd_jax.checkpoints import loading  # pylint: disable=g-import-not-at-top
   return loading.load()
-
-
-@pytest.fixture(autouse=True)
-def _host_independent_precision(monkeypatch):
-  """Tests compute as a host without AMX does: no learning in bfloat16
-  unless a test asks (tests/test_narrow_weights.py). Many compare two
-  equivalent computations to float32 tolerances, and the CI host may have
-  AMX or not. Entry points the suite starts as processes choose for
-  themselves."""
-  from osd_jax import hardware  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(hardware, "bfloat16_matmuls_are_fast", lambda: False)
 
 
 @pytest.fixture(scope="module", autouse=True)

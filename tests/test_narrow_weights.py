@@ -102,7 +102,7 @@ def test_learning_in_bfloat16_matmuls_keeps_float32_weights():
 def test_the_learning_matmul_dtype_follows_the_host(monkeypatch):
   cfg = update.DistillConfig()
   kernel = {"embed": jnp.ones((4, 2)), "w": jnp.ones((2, 3)), "norm": jnp.ones(3)}
-  assert update.learning_matmul_dtype(cfg) is None  # conftest: no AMX
+  assert update.learning_matmul_dtype(cfg) is None  # conftest: as without AMX
   assert update.with_matmul_dtype(kernel, None) is kernel
   monkeypatch.setattr(hardware, "bfloat16_matmuls_are_fast", lambda: True)
   assert update.learning_matmul_dtype(cfg) == "bfloat16"
@@ -149,3 +149,12 @@ def test_real_narrow_target_speculation_equals_its_greedy_decoding(smollm2):
   derived = draft_lib.derive(target, [0, 1], head)
   for draft in (derived, hybrid_draft(derived)):
     assert greedy_one_slot(target, draft, prompts, 3, 16) == expected
+
+
+@pytest.mark.parametrize("value, fast", [("0", False), ("1", True)])
+def test_the_override_decides_and_a_bad_one_is_refused(monkeypatch, value, fast):
+  monkeypatch.setenv(hardware.OVERRIDE, value)
+  assert hardware.bfloat16_matmuls_are_fast() is fast
+  monkeypatch.setenv(hardware.OVERRIDE, "yes")
+  with pytest.raises(ValueError, match=hardware.OVERRIDE):
+    hardware.bfloat16_matmuls_are_fast()
