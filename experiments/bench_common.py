@@ -188,6 +188,40 @@ def attention_timer(config, batch: int, num_tokens: int, *, filled: int = 100,
   return call
 
 
+def products_timer(params, config, *, steps: int = 8):
+  """Like forward_timer, for the weight products of a 1-token step at batch
+  1 alone: every kernel of the decoding layout in a step's order, each fed
+  by the one before, with no attention, norms or cache. The fastest a step
+  can be with this backend's one-row products."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
+  layout = llama.for_decoding(params, config)
+  product = lambda x, weights, name: llama.matmul(
+      x, weights[name], weights.get(name + llama.WIDE))
+
+  def run(params, x):
+    def body(_, x):
+      for layer in params["layers"]:
+        qkv = product(x, layer, "wqkv")
+        x = x + product(qkv[:, :config.num_heads * config.head_dim], layer, "wo")
+        gate, up = jnp.split(product(x, layer, "w_gate_up"), 2, axis=-1)
+        x = x + product(gate * up, layer, "w_down")
+      # The head's products feed the next step, as its sampled token does.
+      return x + 1e-9 * product(x, params, "lm_head")[:, :1]
+    return jax.lax.fori_loop(0, steps, body, x)
+
+  run = jax.jit(run)
+  x = jnp.full((1, config.hidden_dim), 1e-3, config.jnp_dtype)
+  jax.block_until_ready(run(layout, x))
+
+  def call() -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(run(layout, x))
+    return (time.perf_counter() - start) / steps
+
+  return call
+
+
 def _step_timer(step, params, config, batch, num_tokens, filled, window, steps):
   """The timed callable of forward_timer, for `step(params, tokens, cache)`
   -> (logits, cache)."""
@@ -245,13 +279,14 @@ def bandwidth_gb_s(num_bytes: int, repeats: int = 5) -> float:
 def weight_bytes(params, config) -> int:
   """Bytes a one-token decode step reads: each kernel of the decoding layout
   once (its float32 copy where it keeps one, see llama.matmul), the
-  embedding aside (the step reads one row of it)."""
+  embedding and its copy aside (the step reads one row of them)."""
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
 
   def read(weights: dict) -> int:
     return sum(read(w) if isinstance(w, dict) else w.nbytes
                for name, w in weights.items()
-               if name != "embed" and name + llama.WIDE not in weights)
+               if name not in ("embed", "embed" + llama.WIDE)
+               and name + llama.WIDE not in weights)
 
   layout = llama.for_decoding(params, config)
   return read(dict(layout, layers={str(i): w for i, w in enumerate(layout["layers"])}))

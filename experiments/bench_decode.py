@@ -5,7 +5,9 @@
 
 All in one run:
 - the measured read bandwidth, and the limit it sets on one decode step
-  (weight bytes / bandwidth), against the measured step at batch 1;
+  (weight bytes / bandwidth), against the measured step at batch 1 and
+  against the step's weight products alone (the ceiling the backend's
+  matrix-vector products set);
 - one cached target forward at batch 1 on 1..9 new tokens (v(k) = cost on
   k+1 tokens / on 1: what verification costs), and at batch 8 on 1 token
   per row against batch 1;
@@ -51,10 +53,11 @@ def step_costs(target) -> dict:
                  for n in PACKED_POSITIONS})
   timers.update({("attention", t): bench_common.attention_timer(config, 8, t)
                  for t in (1, TRIM_K + 1)})
+  timers["products"] = bench_common.products_timer(params, config)
   ms = {case: 1e3 * s for case, s in
         bench_common.interleaved_seconds(timers, REPEATS.value).items()}
   return {"weight_mb": weights / 1e6, "bandwidth_gb_s": gb_s,
-          "limit_ms": weights / gb_s / 1e6,
+          "limit_ms": weights / gb_s / 1e6, "products_ms": ms["products"],
           "batch1_ms": {t: ms[(1, t)] for t in range(1, 10)},
           "batch8_ms": ms[(8, 1)],
           "trimmed_ms": {w: ms[("trimmed", w)] for w in range(1, TRIM_K + 2)},
@@ -89,6 +92,10 @@ def main(argv):
         f" {costs['bandwidth_gb_s']:.1f} GB/s -> limit {costs['limit_ms']:.1f} ms"
         f" per step; measured batch 1: {one[1]:.1f} ms"
         f" ({costs['limit_ms'] / one[1]:.2f} of the limit; goal >= 0.85)")
+  print(f"its weight products alone (each kernel once, in order, fed by the one"
+        f" before; no attention, norms or cache): {costs['products_ms']:.1f} ms"
+        f" ({costs['limit_ms'] / costs['products_ms']:.2f} of the limit): the"
+        " most this backend's one-row products allow")
   print("one target call at batch 1, new tokens: "
         + ", ".join(f"{t}: {v:.1f} ms (v {v / one[1]:.2f})" for t, v in one.items()))
   print(f"v(k=4) = {one[5] / one[1]:.2f} (goal <= 1.3); batch 8, 1 token per row:"

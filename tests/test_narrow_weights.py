@@ -3,6 +3,8 @@ its products take bfloat16 inputs with float32 accumulation, through the
 AMX path on 2+ rows and the float32 copy on one row, and decoding stays
 exact whichever path a step takes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,7 +58,7 @@ def test_a_kernel_as_wide_as_its_input_multiplies_as_before():
   assert llama.matmul(x16, kernel).dtype == jnp.bfloat16  # --dtype=bfloat16
 
 
-def test_the_cpu_decoding_layout_keeps_float32_copies_of_narrow_kernels_only():
+def test_the_cpu_decoding_layout_keeps_float32_copies_of_narrow_weights_only():
   model = tiny_model()
   assert not any(k.endswith(llama.WIDE) for k in llama.for_decoding(
       model.params, model.config)["layers"][0])
@@ -67,9 +69,41 @@ def test_the_cpu_decoding_layout_keeps_float32_copies_of_narrow_kernels_only():
     assert layer[name].dtype == jnp.bfloat16
     np.testing.assert_array_equal(layer[name + llama.WIDE], layer[name].astype(jnp.float32))
   assert "attn_norm" + llama.WIDE not in layer  # vectors are read whole anyway
-  assert "lm_head" + llama.WIDE in layout and "embed" + llama.WIDE not in layout
+  assert "lm_head" + llama.WIDE in layout
+  np.testing.assert_array_equal(layout["embed" + llama.WIDE],
+                                layout["embed"].astype(jnp.float32))
   again = llama.for_decoding(layout, narrow.config)  # idempotent
   assert jax.tree.structure(again) == jax.tree.structure(layout)
+
+
+def widened_tables(layout, config) -> int:
+  """Ops of a compiled 4-step decode loop whose result is a float32
+  [vocab, hidden] table (parameters and the loop's carried values aside)."""
+  def decode(params, tokens, cache):
+    def step(_, carry):
+      tokens, cache = carry
+      logits, cache = llama.apply(params, config, tokens, cache)
+      return logits[:, -1:].argmax(-1).astype(jnp.int32), cache
+    return jax.lax.fori_loop(0, 4, step, (tokens, cache))[0]
+  cache = config.init_cache(2, 16)
+  hlo = jax.jit(decode).lower(layout, jnp.ones((2, 1), jnp.int32),
+                              cache).compile().as_text()
+  made = re.findall(rf"= f32\[{config.vocab_size},{config.hidden_dim}\]\{{[^}}]*\}} ([\w-]+)\(",
+                    hlo)
+  return sum(op not in ("parameter", "get-tuple-element", "bitcast") for op in made)
+
+
+def test_a_decode_step_gathers_embeddings_without_widening_the_table():
+  """XLA on CPU gathers from a bfloat16 table by widening all of it, hoisted
+  out of the decode loop; the layout's float32 copy of the embedding (read
+  by llama.embed_rows) avoids that. Without the copy the compiled loop
+  widens the table: the check can tell."""
+  narrow = narrowed(tiny_model())
+  layout = llama.for_decoding(narrow.params, narrow.config)
+  assert widened_tables(layout, narrow.config) == 0
+  if jax.default_backend() == "cpu":
+    without = {k: v for k, v in layout.items() if k != "embed" + llama.WIDE}
+    assert widened_tables(without, narrow.config) > 0
 
 
 def test_a_derived_draft_of_a_narrow_target_learns_in_float32():

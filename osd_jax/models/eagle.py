@@ -62,13 +62,15 @@ def bind(params: dict, target_params: dict, config: FeatureConfig) -> dict:
           else target_params["embed"].T)
   if config.head_token_ids is not None:
     head = head[:, jnp.asarray(config.head_token_ids)]
-  frozen = {"embed": target_params["embed"], "lm_head": head}
+  frozen = {name: target_params[name] for name in ("embed", "embed" + llama.WIDE)
+            if name in target_params}  # the wide copy: see llama.embed_rows
+  frozen["lm_head"] = head
   return dict(params, **jax.tree.map(jax.lax.stop_gradient, frozen))
 
 
 def _inputs(params, tokens_BxT, features_BxTxD) -> jax.Array:
   """fc([embedding of c_{j+1}; f_j]) at every position j."""
-  e = params["embed"][tokens_BxT].astype(jnp.float32)
+  e = llama.embed_rows(params, tokens_BxT, jnp.float32)
   x = jnp.concatenate([e, features_BxTxD.astype(jnp.float32)], axis=-1)
   return llama.matmul(x, params["fc"])
 
