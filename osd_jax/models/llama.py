@@ -136,7 +136,7 @@ def embed_rows(params: Params, tokens: jax.Array, dtype) -> jax.Array:
 
   XLA's CPU backend gathers from a bfloat16 table by widening all of it
   first, and in a decode loop hoists that out of the loop: every call
-  widened the whole table (SmolLM2: 56 MB read, 113 MB written, 13 ms) for
+  widened the whole table (SmolLM2: 56 MB read, 113 MB written, 27 ms) for
   a few rows. So the CPU layout keeps the narrow table's float32 copy too.
   """
   table = params.get("embed" + WIDE, params["embed"])
