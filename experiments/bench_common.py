@@ -176,16 +176,7 @@ def attention_timer(config, batch: int, num_tokens: int, *, filled: int = 100,
       return q
     return jax.lax.fori_loop(0, steps, body, q)
 
-  run = jax.jit(run)
-  q = jnp.ones((b, t, h, d), cache.v[0].dtype)
-  jax.block_until_ready(run(q, cache))
-
-  def call() -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(run(q, cache))
-    return (time.perf_counter() - start) / steps
-
-  return call
+  return _loop_timer(run, steps, jnp.ones((b, t, h, d), cache.v[0].dtype), cache)
 
 
 def products_timer(params, config, *, steps: int = 8):
@@ -210,13 +201,19 @@ def products_timer(params, config, *, steps: int = 8):
       return x + 1e-9 * product(x, params, "lm_head")[:, :1]
     return jax.lax.fori_loop(0, steps, body, x)
 
+  return _loop_timer(run, steps, layout, jnp.full((1, config.hidden_dim), 1e-3,
+                                                  config.jnp_dtype))
+
+
+def _loop_timer(run, steps: int, *args):
+  """A compiled, warmed-up callable returning the seconds per step of
+  run(*args), a loop of `steps` steps."""
   run = jax.jit(run)
-  x = jnp.full((1, config.hidden_dim), 1e-3, config.jnp_dtype)
-  jax.block_until_ready(run(layout, x))
+  jax.block_until_ready(run(*args))
 
   def call() -> float:
     start = time.perf_counter()
-    jax.block_until_ready(run(layout, x))
+    jax.block_until_ready(run(*args))
     return (time.perf_counter() - start) / steps
 
   return call
