@@ -102,13 +102,17 @@ def torch_available() -> bool:
 
 
 def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 100,
-                  window: int = 256, steps: int = 8):
+                  window: int = 256, steps: int = 8, cache_size: int | None = None,
+                  cut: str = "once"):
   """A compiled, warmed-up callable returning the seconds of one cached
   forward on num_tokens new tokens per row.
 
   The cache holds `filled` positions and attention reads `window`, as a
   decode step of the slot engine does; the length never grows, so the same
-  program runs `steps` times per call (the time returned is per step).
+  program runs `steps` times per call (the time returned is per step). A
+  cache of `cache_size` positions (default: the window) has the window cut
+  out of it "once" a call (as the slot engine does: slots.on_window) or
+  "each" step.
   """
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
 
@@ -116,7 +120,8 @@ def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 
     logits, new = llama.apply(params, config, tokens, cache, window=window)
     return logits, new
 
-  return _step_timer(forward, params, config, batch, num_tokens, filled, window, steps)
+  return _step_timer(forward, params, config, batch, num_tokens, filled, window, steps,
+                     cache_size or window, cut)
 
 
 def verify_timer(params, config, batch: int, k: int, needed: int, *,
@@ -219,10 +224,12 @@ def _loop_timer(run, steps: int, *args):
   return call
 
 
-def _step_timer(step, params, config, batch, num_tokens, filled, window, steps):
+def _step_timer(step, params, config, batch, num_tokens, filled, window, steps,
+                cache_size=None, cut="once"):
   """The timed callable of forward_timer, for `step(params, tokens, cache)`
   -> (logits, cache)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from osd_jax.decoding import slots  # pylint: disable=import-outside-toplevel
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
   params = llama.for_decoding(params, config)
 
@@ -232,10 +239,11 @@ def _step_timer(step, params, config, batch, num_tokens, filled, window, steps):
       logits, new = step(params, tokens, cache)
       # Keep the logits live; keep the length fixed so the cache never fills.
       return new.with_lengths(cache.lengths + (logits[:, 0, 0] > 1e30))
-    return jax.lax.fori_loop(0, steps, body, cache)
+    loop = lambda cache: jax.lax.fori_loop(0, steps, body, cache)
+    return slots.on_window(loop, cache, window) if cut == "once" else loop(cache)
 
   run = jax.jit(run, donate_argnums=(1,))
-  state = {"cache": config.init_cache(batch, window).with_lengths(
+  state = {"cache": config.init_cache(batch, cache_size or window).with_lengths(
       jnp.full((batch,), filled, jnp.int32))}
 
   def call() -> float:

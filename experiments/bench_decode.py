@@ -17,6 +17,8 @@ All in one run:
   several slots) when the rows' proposals fill 8..40 positions in all,
   against the plain forward on 5 tokens a row (40 positions), and what
   attention alone costs there at 1 and 5 positions a row;
+- the 1-token step over a 256-position window of a 512-position cache (the
+  main job's), the window cut out of the cache each step or once a call;
 - end-to-end greedy tokens/s of the slot engine (k = 0) and of transformers'
   `generate` on the same weights, at each batch size.
 Goals: batch-1 step >= 0.85 of the bandwidth limit; v(4) <= 1.3; batch 8 <=
@@ -30,6 +32,7 @@ import numpy as np
 
 from experiments import bench_common, cli, model_flags
 from osd_jax.decoding.engine import Engine
+from osd_jax.models import llama
 
 BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).")
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per row.")
@@ -37,11 +40,15 @@ REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per measurement.")
 THREADS = flags.DEFINE_integer("torch_threads", 0, "torch threads; 0 = default.")
 TRIM_K = 4  # the k whose trimmed and packed verification passes are timed
 PACKED_POSITIONS = (8, 16, 24, 40)  # positions 8 rows' proposals fill, in all
+CUT_CACHE = 512  # positions of the cache whose 256-position window is cut
 
 
 def step_costs(target) -> dict:
   """Bandwidth limit and cached-forward costs (ms), measured in this process."""
-  params, config = target.params, target.config
+  config = target.config
+  # Laid out once: each timer's own layout (every kernel copied, about 1 GB
+  # for SmolLM2) would not fit 24 timers in memory.
+  params = llama.for_decoding(target.params, config)
   weights = bench_common.weight_bytes(params, config)
   gb_s = bench_common.bandwidth_gb_s(weights, repeats=REPEATS.value)
   timers = {(b, t): bench_common.forward_timer(params, config, b, t)
@@ -54,6 +61,9 @@ def step_costs(target) -> dict:
   timers.update({("attention", t): bench_common.attention_timer(config, 8, t)
                  for t in (1, TRIM_K + 1)})
   timers["products"] = bench_common.products_timer(params, config)
+  timers.update({("cut", b, cut): bench_common.forward_timer(
+      params, config, b, 1, cache_size=CUT_CACHE, cut=cut)
+                 for b in (1, 8) for cut in ("each", "once")})
   ms = {case: 1e3 * s for case, s in
         bench_common.interleaved_seconds(timers, REPEATS.value).items()}
   return {"weight_mb": weights / 1e6, "bandwidth_gb_s": gb_s,
@@ -63,7 +73,9 @@ def step_costs(target) -> dict:
           "trimmed_ms": {w: ms[("trimmed", w)] for w in range(1, TRIM_K + 2)},
           "batch8_full_ms": ms[(8, TRIM_K + 1)],
           "packed_ms": {n: ms[("packed", n)] for n in PACKED_POSITIONS},
-          "attention_ms": {t: ms[("attention", t)] for t in (1, TRIM_K + 1)}}
+          "attention_ms": {t: ms[("attention", t)] for t in (1, TRIM_K + 1)},
+          "cut_ms": {(b, cut): ms[("cut", b, cut)] for b in (1, 8)
+                     for cut in ("each", "once")}}
 
 
 def engine_tps(target, prompt_ids, max_new_tokens) -> tuple[float, float, list]:
@@ -114,6 +126,14 @@ def main(argv):
   print(f"of which attention (every layer, batch 8, no weights): {attn[1]:.1f} ms at 1"
         f" position a row, {attn[TRIM_K + 1]:.1f} ms at {TRIM_K + 1}: a packed pass"
         f" still attends from all {TRIM_K + 1} positions of every row", flush=True)
+  cut = costs["cut_ms"]
+  print(f"the 256-position window of a {CUT_CACHE}-position cache, 1 token a row,"
+        " cut out each step / once a call (the slot engine) / not at all (cache ="
+        " window): " + ", ".join(
+            f"batch {b}: {cut[b, 'each']:.1f} / {cut[b, 'once']:.1f} /"
+            f" {costs['batch1_ms'][1] if b == 1 else costs['batch8_ms']:.1f} ms"
+            f" ({cut[b, 'each'] / cut[b, 'once']:.2f}x faster once)" for b in (1, 8)),
+        flush=True)
   # No EOS stop, so every row decodes exactly max_new_tokens, as torch does.
   target.config = target.config.replace(eos_id=-1)
   torch_model = None

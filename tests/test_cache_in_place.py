@@ -10,12 +10,15 @@ last one shows the check catches that pattern.
 
 import re
 
+import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from osd_jax.decoding import speculative
+from osd_jax.decoding import slots, speculative
 from osd_jax.models import llama
+from osd_jax.models.kv_cache import KVCache
 from tests.test_generation import tiny_model
 
 BATCH, CACHE, K = 4, 64, 3
@@ -76,3 +79,41 @@ def test_reading_then_writing_outside_a_branch_is_caught(tiny):
     return hidden, cache.append(new, starts_B=cache.lengths)
 
   assert len(cache_copies(step, params, config)) >= config.num_layers
+
+
+@flax.struct.dataclass
+class _Slots:
+  cache: KVCache
+  done: jax.Array
+
+
+def test_a_call_runs_its_steps_on_caches_cut_to_the_window(tiny):
+  """Cutting a window out of a larger cache copies it (XLA's CPU backend), so
+  slots.decode_loop cuts once a call: its steps see caches the size of the
+  window, and the call leaves the cache as steps on the uncut cache do."""
+  params, config = tiny
+  window, seen = CACHE // 2, []
+  cache = config.init_cache(BATCH, CACHE)
+  keys = jax.random.split(jax.random.key(3), 2 * config.num_layers)
+  cache = cache.replace(
+      k=tuple(jax.random.normal(r, x.shape) for r, x in zip(keys, cache.k)),
+      v=tuple(jax.random.normal(r, x.shape) for r, x in zip(keys[1::2], cache.v)),
+      lengths=jnp.asarray([9, 3, 12, 1], jnp.int32))
+  state = _Slots(cache, jnp.zeros((BATCH,), bool))
+
+  def step(state, carry):
+    seen.append(state.cache.size)
+    tokens = (state.cache.lengths % 7 + 3)[:, None]
+    _, new = llama.forward(params, config, tokens, state.cache, window=window)
+    return state.replace(cache=new), carry
+
+  run = lambda cut: slots.decode_loop(step, state, (), 4,
+                                      window=window if cut else None)[0].cache
+  cut, uncut = run(True), run(False)
+  assert seen == [window, CACHE]
+  assert cut.size == CACHE
+  np.testing.assert_array_equal(cut.lengths, cache.lengths + 4)
+  for a, b, before in zip(cut.k + cut.v, uncut.k + uncut.v, cache.k + cache.v):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    assert not np.array_equal(a, before)  # the steps wrote
+  np.testing.assert_array_equal(cut.k[0][:, :, window:], cache.k[0][:, :, window:])

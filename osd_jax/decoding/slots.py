@@ -88,6 +88,28 @@ def with_first_slots(tree, part):
       tree, part, is_leaf=_is_cache)
 
 
+def on_window(fn, tree, window: int):
+  """fn(tree) computed with every cache cut to its first `window` positions,
+  then written back.
+
+  A step's attention reads only the window, but cutting it out of a larger
+  cache copies it, in every layer of every step (XLA's CPU backend: SmolLM2
+  at batch 8, window 256 of 512 positions, 77.6 ms a 1-token step against
+  42.3 ms with no cut). Cut once per call, the steps run on caches whose
+  size is the window; 47.3 ms.
+  """
+  cut = jax.tree.map(lambda x: x.first_positions(window) if _is_cache(x) else x,
+                     tree, is_leaf=_is_cache)
+  if all(c.size == x.size for c, x in zip(_caches(cut), _caches(tree))):
+    return fn(tree)
+  return jax.tree.map(lambda x, p: x.with_first_positions(p) if _is_cache(x) else p,
+                      tree, fn(cut), is_leaf=_is_cache)
+
+
+def _caches(tree) -> list:
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_cache) if _is_cache(x)]
+
+
 def on_first_slots(fn, trees, n: int, num_slots: int):
   """fn(trees) computed on the first n of num_slots slots; the others, which
   hold no request, are left as they are. Vectorised work scales with the
@@ -177,7 +199,7 @@ def insert(target_params, draft_params, state: SpecState, prompt_1xP, prompt_len
 
 
 def decode_loop(step_fn, state, carry, steps: int, refill=False,
-                axis_name: str | None = None):
+                axis_name: str | None = None, window: int | None = None):
   """Up to `steps` calls of step_fn(state, carry) -> (state, carry).
 
   It stops early when every slot is done, and, when `refill` (the host has
@@ -185,7 +207,12 @@ def decode_loop(step_fn, state, carry, steps: int, refill=False,
   for the host only until the step it finished in, not the call's last one.
   Over a mesh (`axis_name`) every device stops at the same step, so the call
   boundaries, and the learning that follows them, do not depend on the mesh.
+  With `window` (the steps' attention window), the steps run on caches cut
+  to it (on_window).
   """
+  if window is not None:
+    return on_window(lambda t: decode_loop(step_fn, *t, steps, refill, axis_name),
+                     (state, carry), window)
   was_done = state.done
 
   def cond(c):
@@ -220,7 +247,7 @@ def generate(target_params, draft_params, state: SpecState, refill=False, *,
       sampling=cfg.sampling, window=window,
       trim_verify=cfg.trim_verify)
   decode = lambda s: decode_loop(lambda s, c: (step(s)[0], c), s, (), steps,
-                                 refill)[0]
+                                 refill, window=window)[0]
   return on_first_slots(decode, state, batch or cfg.num_slots, cfg.num_slots)
 
 

@@ -95,9 +95,27 @@ class KVCache:
 
   def with_first_rows(self, part: "KVCache") -> "KVCache":
     """This cache with rows 0..n-1 replaced by `part` (in place when donated)."""
-    put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0, 0, 0))
-    return KVCache(k=tuple(map(put, self.k, part.k)), v=tuple(map(put, self.v, part.v)),
+    return KVCache(k=tuple(map(_put_first, self.k, part.k)),
+                   v=tuple(map(_put_first, self.v, part.v)),
                    lengths=self.lengths.at[:part.batch_size].set(part.lengths))
+
+  def first_positions(self, n: int) -> "KVCache":
+    """Every row's positions 0..n-1 (static n), lengths unchanged: all that a
+    call whose attention window is n reads or writes."""
+    n = min(n, self.size)
+    return self.replace(k=tuple(x[:, :, :n] for x in self.k),
+                        v=tuple(x[:, :n] for x in self.v))
+
+  def with_first_positions(self, part: "KVCache") -> "KVCache":
+    """This cache with positions 0..n-1 and the lengths of `part`
+    (first_positions' inverse; in place when donated)."""
+    return KVCache(k=tuple(map(_put_first, self.k, part.k)),
+                   v=tuple(map(_put_first, self.v, part.v)), lengths=part.lengths)
+
+
+def _put_first(big: jax.Array, small: jax.Array) -> jax.Array:
+  """`big` with its leading corner replaced by `small`."""
+  return jax.lax.dynamic_update_slice(big, small, (0,) * big.ndim)
 
 
 @flax.struct.dataclass

@@ -336,7 +336,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
     return slots, records
 
   decode = lambda slots, records: slot_lib.decode_loop(step, slots, records, steps,
-                                                       refill, axis_name)
+                                                       refill, axis_name, window)
   if cfg.learn:
     slots, records = slot_lib.on_first_slots(
         lambda t: decode(*t), (state.slots, state.records), batch, num_slots)
