@@ -125,7 +125,8 @@ def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 
 
 
 def verify_timer(params, config, batch: int, k: int, needed: int, *,
-                 filled: int = 100, window: int = 256, steps: int = 8):
+                 filled: int = 100, window: int = 256, steps: int = 8,
+                 cache_size: int | None = None, cut: str = "once"):
   """Like forward_timer, for the trimmed verification pass of a step whose
   longest proposal needs `needed` of the k + 1 positions."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -137,11 +138,13 @@ def verify_timer(params, config, batch: int, k: int, needed: int, *,
         jnp.int32(needed))
     return logits, new
 
-  return _step_timer(verify, params, config, batch, k + 1, filled, window, steps)
+  return _step_timer(verify, params, config, batch, k + 1, filled, window, steps,
+                     cache_size, cut)
 
 
 def packed_timer(params, config, batch: int, k: int, positions: int, *,
-                 filled: int = 100, window: int = 256, steps: int = 8):
+                 filled: int = 100, window: int = 256, steps: int = 8,
+                 cache_size: int | None = None, cut: str = "once"):
   """Like verify_timer, for the packed verification pass over `batch` rows
   whose last tokens and proposals fill `positions` positions in all, spread
   as evenly as they go (speculative.verify_packed)."""
@@ -155,7 +158,8 @@ def packed_timer(params, config, batch: int, k: int, positions: int, *,
                                                counts)
     return logits, new
 
-  return _step_timer(verify, params, config, batch, k + 1, filled, window, steps)
+  return _step_timer(verify, params, config, batch, k + 1, filled, window, steps,
+                     cache_size, cut)
 
 
 def attention_timer(config, batch: int, num_tokens: int, *, filled: int = 100,
