@@ -103,7 +103,7 @@ def torch_available() -> bool:
 
 def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 100,
                   window: int = 256, steps: int = 8, cache_size: int | None = None,
-                  cut: str = "once"):
+                  cut_once: bool = True):
   """A compiled, warmed-up callable returning the seconds of one cached
   forward on num_tokens new tokens per row.
 
@@ -111,8 +111,8 @@ def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 
   decode step of the slot engine does; the length never grows, so the same
   program runs `steps` times per call (the time returned is per step). A
   cache of `cache_size` positions (default: the window) has the window cut
-  out of it "once" a call (as the slot engine does: slots.on_window) or
-  "each" step.
+  out of it once a call, as the slot engine does (slots.on_window), or, not
+  `cut_once`, in every step.
   """
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
 
@@ -121,12 +121,12 @@ def forward_timer(params, config, batch: int, num_tokens: int, *, filled: int = 
     return logits, new
 
   return _step_timer(forward, params, config, batch, num_tokens, filled, window, steps,
-                     cache_size or window, cut)
+                     cache_size, cut_once)
 
 
 def verify_timer(params, config, batch: int, k: int, needed: int, *,
                  filled: int = 100, window: int = 256, steps: int = 8,
-                 cache_size: int | None = None, cut: str = "once"):
+                 cache_size: int | None = None, cut_once: bool = True):
   """Like forward_timer, for the trimmed verification pass of a step whose
   longest proposal needs `needed` of the k + 1 positions."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -139,12 +139,12 @@ def verify_timer(params, config, batch: int, k: int, needed: int, *,
     return logits, new
 
   return _step_timer(verify, params, config, batch, k + 1, filled, window, steps,
-                     cache_size, cut)
+                     cache_size, cut_once)
 
 
 def packed_timer(params, config, batch: int, k: int, positions: int, *,
                  filled: int = 100, window: int = 256, steps: int = 8,
-                 cache_size: int | None = None, cut: str = "once"):
+                 cache_size: int | None = None, cut_once: bool = True):
   """Like verify_timer, for the packed verification pass over `batch` rows
   whose last tokens and proposals fill `positions` positions in all, spread
   as evenly as they go (speculative.verify_packed)."""
@@ -159,7 +159,7 @@ def packed_timer(params, config, batch: int, k: int, positions: int, *,
     return logits, new
 
   return _step_timer(verify, params, config, batch, k + 1, filled, window, steps,
-                     cache_size, cut)
+                     cache_size, cut_once)
 
 
 def attention_timer(config, batch: int, num_tokens: int, *, filled: int = 100,
@@ -196,18 +196,16 @@ def products_timer(params, config, *, steps: int = 8):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from osd_jax.models import llama  # pylint: disable=import-outside-toplevel
   layout = llama.for_decoding(params, config)
-  product = lambda x, weights, name: llama.matmul(
-      x, weights[name], weights.get(name + llama.WIDE))
 
   def run(params, x):
     def body(_, x):
       for layer in params["layers"]:
-        qkv = product(x, layer, "wqkv")
-        x = x + product(qkv[:, :config.num_heads * config.head_dim], layer, "wo")
-        gate, up = jnp.split(product(x, layer, "w_gate_up"), 2, axis=-1)
-        x = x + product(gate * up, layer, "w_down")
+        qkv = llama.product(x, layer, "wqkv")
+        x = x + llama.product(qkv[:, :config.num_heads * config.head_dim], layer, "wo")
+        gate, up = jnp.split(llama.product(x, layer, "w_gate_up"), 2, axis=-1)
+        x = x + llama.product(gate * up, layer, "w_down")
       # The head's products feed the next step, as its sampled token does.
-      return x + 1e-9 * product(x, params, "lm_head")[:, :1]
+      return x + 1e-9 * llama.product(x, params, "lm_head")[:, :1]
     return jax.lax.fori_loop(0, steps, body, x)
 
   return _loop_timer(run, steps, layout, jnp.full((1, config.hidden_dim), 1e-3,
@@ -229,7 +227,7 @@ def _loop_timer(run, steps: int, *args):
 
 
 def _step_timer(step, params, config, batch, num_tokens, filled, window, steps,
-                cache_size=None, cut="once"):
+                cache_size=None, cut_once=True):
   """The timed callable of forward_timer, for `step(params, tokens, cache)`
   -> (logits, cache)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -244,7 +242,7 @@ def _step_timer(step, params, config, batch, num_tokens, filled, window, steps,
       # Keep the logits live; keep the length fixed so the cache never fills.
       return new.with_lengths(cache.lengths + (logits[:, 0, 0] > 1e30))
     loop = lambda cache: jax.lax.fori_loop(0, steps, body, cache)
-    return slots.on_window(loop, cache, window) if cut == "once" else loop(cache)
+    return slots.on_window(loop, cache, window) if cut_once else loop(cache)
 
   run = jax.jit(run, donate_argnums=(1,))
   state = {"cache": config.init_cache(batch, cache_size or window).with_lengths(

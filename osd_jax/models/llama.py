@@ -143,7 +143,7 @@ def embed_rows(params: Params, tokens: jax.Array, dtype) -> jax.Array:
   return table[tokens].astype(dtype)
 
 
-def _product(x: jax.Array, weights: dict, name: str) -> jax.Array:
+def product(x: jax.Array, weights: dict, name: str) -> jax.Array:
   """x @ weights[name], with its wide copy when the layout keeps one."""
   return matmul(x, weights[name], weights.get(name + WIDE))
 
@@ -154,12 +154,12 @@ def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
   h = rms_norm(x, layer["attn_norm"], config.rms_eps)
   if "wqkv" in layer:  # the fused layout (see fuse_projections)
     q_width = config.num_heads * config.head_dim
-    qkv = _product(h, layer, "wqkv")
+    qkv = product(h, layer, "wqkv")
     q, k, v = jnp.split(qkv, [q_width, q_width + config.num_kv_heads * config.head_dim],
                         axis=-1)
   else:
-    q = _product(h, layer, "wq")
-    k, v = _product(h, layer, "wk"), _product(h, layer, "wv")
+    q = product(h, layer, "wq")
+    k, v = product(h, layer, "wk"), product(h, layer, "wv")
   q = q.reshape(b, t, config.num_heads, -1)
   k = k.reshape(b, t, config.num_kv_heads, -1)
   v = v.reshape(b, t, config.num_kv_heads, -1)
@@ -169,13 +169,13 @@ def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
 
 def block_output(config: LlamaConfig, layer, x, attn_BxTxHD):
   """The rest of a pre-norm block after attention: projection, residual, MLP."""
-  x = x + _product(attn_BxTxHD, layer, "wo")
+  x = x + product(attn_BxTxHD, layer, "wo")
   h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
   if "w_gate_up" in layer:
-    gate, up = jnp.split(_product(h, layer, "w_gate_up"), 2, axis=-1)
+    gate, up = jnp.split(product(h, layer, "w_gate_up"), 2, axis=-1)
   else:
-    gate, up = _product(h, layer, "w_gate"), _product(h, layer, "w_up")
-  return x + _product(jax.nn.silu(gate) * up, layer, "w_down")
+    gate, up = product(h, layer, "w_gate"), product(h, layer, "w_up")
+  return x + product(jax.nn.silu(gate) * up, layer, "w_down")
 
 
 def decoder_layer(config: LlamaConfig, x, layer, positions_BxT, store, starts_B,
@@ -399,7 +399,7 @@ def head_logits(params: Params, config: LlamaConfig,
                 hidden: jax.Array) -> jax.Array:
   """Logits over the head's rows (the full vocabulary unless restricted)."""
   if "lm_head" in params:
-    return _product(hidden, params, "lm_head").astype(jnp.float32)
+    return product(hidden, params, "lm_head").astype(jnp.float32)
   return matmul(hidden, params["embed"].T).astype(jnp.float32)
 
 
