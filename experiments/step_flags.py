@@ -8,7 +8,7 @@ BATCH_K = flags.DEFINE_list(
     " tokens per step (K >= 1); default none, k at every batch. With"
     " --trim_verify a row's proposal costs only the positions it fills, so"
     " the draft's confidence stop already keeps batches short (measured"
-    " in README); e.g. 4:2 caps k where that is not so.")
+    " in docs/results_history.md); e.g. 4:2 caps k where that is not so.")
 
 
 def batch_k() -> tuple[tuple[int, int], ...]:
