@@ -50,13 +50,18 @@ OUTPUT = flags.DEFINE_string("output", "", "Also write the results here (JSON)."
 def draft_of(kind: str, target) -> Draft:
   """The Draft that a kind name stands for (model_flags builds it)."""
   base, _, hybrid = kind.partition("+")
-  if hybrid not in ("", "ngram"):
+  if not base or hybrid not in ("", "ngram"):
     raise ValueError(f"Unknown draft kind {kind!r}.")
   return model_flags.load_draft(target, base, hybrid=bool(hybrid))
 
 
 def main(argv):
   del argv
+  cli.refuse_unread(
+      model_flags, model_flags.all_flags_but(
+          (model_flags.DRAFT.name, model_flags.HYBRID.name), model_flags.TRIMMED_ONLY_FLAGS),
+      "--kinds names the drafts, and they verify at full width (the serving entry"
+      " points' --trim_verify)")
   target = model_flags.load_target()
   queries = [driver.Query(r.prompt, "default", r.domain) for r in streams.make_stream(
       "shift", DOMAINS.value, PER_DOMAIN.value * len(DOMAINS.value), seed=0)]

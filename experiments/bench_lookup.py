@@ -56,6 +56,13 @@ def summarize(rows: list[dict], step_ms: list[float]) -> dict:
 
 def main(argv):
   del argv
+  cli.refuse_unread(model_flags, model_flags.TARGET_FLAGS + (
+      model_flags.NGRAM_MAX.name, model_flags.NGRAM_MIN.name, model_flags.NGRAM_CAP.name,
+      model_flags.NGRAM_HISTORY.name), "bench_lookup replays lookup alone; --history_mins"
+                    " and --min_shares set the history's settings")
+  if model_flags.NGRAM_HISTORY.value < 1:
+    raise ValueError("bench_lookup compares lookups in a history of served requests:"
+                     " --ngram_history must be at least 1.")
   target = model_flags.load_target()
   answers = bench_common.greedy_answers(
       target, DOMAINS.value, NUM_REQUESTS.value, MAX_NEW_TOKENS.value,
@@ -74,7 +81,7 @@ def main(argv):
   for least in HISTORY_MINS.value:
     for share in MIN_SHARES.value:
       variants[f"history from {least}-grams, share {share}"] = drafts.NGramDraft(
-          **base, history=model_flags.NGRAM_HISTORY.value or 64,
+          **base, history=model_flags.NGRAM_HISTORY.value,
           history_min_ngram=int(least), history_min_share=float(share))
   segments = list(dict.fromkeys(a["domain"] for a in answers))
   print(f"{len(answers)} requests; tokens per target call / accepted share /"

@@ -111,6 +111,12 @@ def variants() -> list[tuple[int, float]]:
 
 def main(argv):
   del argv
+  cli.refuse_unread(model_flags, model_flags.TARGET_FLAGS + model_flags.WARM_START_FLAGS
+                    + (model_flags.DRAFT_HEAD_VOCAB.name,),
+                    "bench_rollout trains feature drafts; --rollouts and --level_decays"
+                    " set their rollout")
+  cli.refuse_unread(learning_flags, learning_flags.DISTILL_FLAGS,
+                    "bench_rollout adapts drafts offline, with no serving buffer")
   target = model_flags.load_target()
   answers = bench_common.greedy_answers(target, DOMAINS.value, NUM_REQUESTS.value,
                                         MAX_NEW_TOKENS.value, 512, OUTPUT_DIR.value)

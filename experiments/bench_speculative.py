@@ -16,6 +16,7 @@ their own EOS).
 Goals: measured >= 0.9 x predicted at every k; continuous >= 1.25x lockstep.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -36,6 +37,10 @@ from osd_jax.serving.driver import encode_prompts
 
 BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).")
 KS = flags.DEFINE_list("ks", [str(k) for k in range(1, 9)], "Values of k.")
+flags.register_validator(BATCH_SIZES, bench_common.every_item(int, lambda n: n >= 1),
+                         "--batch_sizes takes positive integers.")
+flags.register_validator(KS, bench_common.every_item(int, lambda n: n >= 1),
+                         "--ks takes positive integers.")
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per row.")
 REPEATS = flags.DEFINE_integer("repeats", 2, "Timed calls per measurement.")
 DOMAIN = flags.DEFINE_string("domain", "math", "Prompt domain.")
@@ -133,13 +138,17 @@ def lockstep_vs_continuous(target, draft, k, batch, n):
 
 def main(argv):
   del argv
+  cli.refuse_unread(model_flags, model_flags.all_flags_but(model_flags.TRIMMED_ONLY_FLAGS),
+                    "it verifies at full width, where these settings do not apply"
+                    " (the serving entry points' --trim_verify)")
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   served = target.config, draft.drafter  # the lockstep comparison stops at EOS
   # No EOS stop: every row decodes max_new_tokens, so rows differ only in speed.
   target.config = target.config.replace(eos_id=-1)
   if isinstance(draft.drafter, ModelDraft):
-    draft.drafter = ModelDraft(draft.drafter.config.replace(eos_id=-1))
+    draft.drafter = dataclasses.replace(
+        draft.drafter, config=draft.drafter.config.replace(eos_id=-1))
   n = MAX_NEW_TOKENS.value
   ks = [int(k) for k in KS.value]
   table = []

@@ -61,6 +61,12 @@ def with_prompt_cache(buffer: Buffer, learner, params) -> Buffer:
 
 def main(argv):
   del argv
+  cli.refuse_unread(
+      model_flags, model_flags.all_flags_but(
+          model_flags.LOOKUP_FLAGS, (model_flags.HYBRID_DRAFT_COST.name,
+                                     model_flags.DRAFT_CONFIDENCE.name,
+                                     model_flags.DRAFT_STOP_BEFORE.name)),
+      "bench_update times the learned draft's update, not serving")
   target = model_flags.load_target()
   draft = model_flags.load_draft(target)
   learner = objectives.learnable(draft.drafter)

@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 from absl import app, flags
@@ -84,6 +85,29 @@ def is_user_error(error: BaseException) -> bool:
   where = traceback.extract_tb(error.__traceback__)[-1]
   return (where.filename.startswith(_PROJECT_DIRS)
           and (where.line or "").startswith("raise"))
+
+
+def refuse_unread(module: types.ModuleType, reads: Iterable[str], why: str) -> None:
+  """Ends the run with a usage error if the command line set a flag of
+  `module` (a flag module shared by several entry points) that is not in
+  `reads`, the ones this entry point uses: a flag is never accepted and
+  ignored. Call it first thing in `main`."""
+  reads = set(reads)
+  given = sorted(flag.name for flag in flags.FLAGS.get_flags_for_module(module.__name__)
+                 if not flag.using_default_value and flag.name not in reads)
+  if given:
+    names = ", ".join("--" + name for name in given)
+    verb = "has" if len(given) == 1 else "have"
+    raise app.UsageError(f"{names} {verb} no effect here: {why}")
+
+
+def device_count(value: str) -> int | None:
+  """A --devices value: None for 'all', else a count of at least 1."""
+  if value == "all":
+    return None
+  if not value.isdigit() or int(value) < 1:
+    raise app.UsageError(f"--devices is 'all' or a number of devices, got {value!r}.")
+  return int(value)
 
 
 def _exit(message: str, status: int) -> NoReturn:

@@ -6,7 +6,8 @@ from osd_jax.distillation import losses
 from osd_jax.distillation.update import DistillConfig
 
 UPDATE_INTERVAL = flags.DEFINE_integer(
-    "update_interval", 8, "I: finished requests between draft updates (paper: 8).")
+    "update_interval", 8, "I: finished requests between draft updates (paper: 8).",
+    lower_bound=1)
 UPDATE_STEPS = flags.DEFINE_integer(
     "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
 BUFFER_CAPACITY = flags.DEFINE_integer(
@@ -37,7 +38,8 @@ OPTIMIZER = flags.DEFINE_enum("optimizer", "adamw", ["adamw", "adam", "sgd"], "O
 LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 1e-3, "Draft learning rate. The paper used 1e-4; drafts cut"
     " from SmolLM2 learn far faster at 1e-3 (see README).")
-CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.")
+CLIP_NORM = flags.DEFINE_float("clip_norm", 0.0, "Global-norm clipping; 0 = off.",
+                               lower_bound=0.0)
 WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 LEARNING_BUDGET = flags.DEFINE_float(
     "learning_budget", 0.0, "Share of serving time the draft's updates may"
@@ -46,6 +48,12 @@ LEARNING_BUDGET = flags.DEFINE_float(
 TRAIN_EMBEDDING = flags.DEFINE_bool(
     "train_embedding", False, "Train the draft's token embedding online too"
     " (off: it stays as it started, with no gradient or optimizer state).")
+
+
+# What DistillConfig reads (the rest is the serving loop's buffer and schedule).
+DISTILL_FLAGS = (LOSS.name, LOSS_BETA.name, LOSS_TEMPERATURE.name, OPTIMIZER.name,
+                 LEARNING_RATE.name, WEIGHT_DECAY.name, CLIP_NORM.name,
+                 TRAIN_EMBEDDING.name)
 
 
 def online_fields(**distill_extra) -> dict:

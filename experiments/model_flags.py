@@ -47,7 +47,7 @@ DRAFT_CONFIDENCE = flags.DEFINE_float(
     "draft_confidence_threshold", 0.0,
     "A model draft stops proposing in a step after a token it gave less than"
     " this probability (Hugging Face's assistant_confidence_threshold); 0"
-    " always drafts k tokens.")
+    " always drafts k tokens. Model drafts only (derived or a checkpoint).")
 EAGLE_ROLLOUT = flags.DEFINE_integer(
     "eagle_rollout", 4, "Draft steps the feature draft is trained to roll out.",
     lower_bound=1)
@@ -84,7 +84,9 @@ NGRAM_HISTORY_SHARE = flags.DEFINE_float(
     "Each earlier request with a match offers what followed its latest one;"
     " the continuation most of them share is proposed, each token only while"
     " at least this share of them agree with it (SuffixDecoding's frequency"
-    " counts). 0: the most shared continuation in full.",
+    " counts). 0: the most shared continuation in full. Only in calls whose"
+    " verification is trimmed (--trim_verify, fewer than 4 slots): at full"
+    " width the whole offer costs no target time.",
     lower_bound=0.0, upper_bound=1.0)
 NGRAM_CAP = flags.DEFINE_bool(
     "ngram_cap_at_match", True,
@@ -93,10 +95,13 @@ NGRAM_CAP = flags.DEFINE_bool(
     " width the rest of the copy costs no target time.")
 DRAFT_LAYERS = flags.DEFINE_list(
     "draft_layers", ["0", "1"], "Target layers the derived draft keeps.")
+flags.register_validator(
+    DRAFT_LAYERS.name, lambda ids: bool(ids) and all(i.isdigit() for i in ids),
+    "--draft_layers lists target layer indices, e.g. 0,1.")
 DRAFT_HEAD_VOCAB = flags.DEFINE_integer(
     "draft_head_vocab", 8192,
     "Derived draft's head covers this many lowest (most frequent) BPE ids plus"
-    " the special tokens; 0 keeps the full vocabulary.")
+    " the special tokens; 0 keeps the full vocabulary.", lower_bound=0)
 DTYPE = flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16"],
     "Parameter and compute dtype (bfloat16 for TPU/GPU).")
@@ -107,6 +112,37 @@ TARGET_WEIGHTS = flags.DEFINE_enum(
     " (activations, caches and softmaxes stay float32): on a CPU with AMX a"
     " pass over 2-9 tokens a row then costs what one token does. auto:"
     " bfloat16 on a CPU with AMX, else --dtype.")
+
+# The flags each part of the model choice reads, for entry points that use
+# only some of them (cli.refuse_unread refuses the rest).
+TARGET_FLAGS = (TARGET.name, DTYPE.name, TARGET_WEIGHTS.name)
+DRAFT_MODEL_FLAGS = (DRAFT.name, DRAFT_LAYERS.name, DRAFT_HEAD_VOCAB.name)
+WARM_START_FLAGS = (WARM_START.name, WARM_START_CONVERSATIONS.name, WARM_START_EPOCHS.name)
+LOOKUP_FLAGS = (NGRAM_MAX.name, NGRAM_MIN.name, NGRAM_HISTORY.name,
+                NGRAM_HISTORY_MIN.name, NGRAM_HISTORY_SHARE.name, NGRAM_CAP.name)
+# Read only by calls whose verification is trimmed (Drafter.at_full_width).
+TRIMMED_ONLY_FLAGS = (NGRAM_CAP.name, NGRAM_HISTORY_SHARE.name, DRAFT_STOP_BEFORE.name)
+# What only a learned draft reads: lookup alone (--draft=ngram) refuses them.
+LEARNED_DRAFT_FLAGS = (WARM_START_FLAGS + (HYBRID_DRAFT_COST.name, DRAFT_CONFIDENCE.name,
+                       DRAFT_STOP_BEFORE.name, EAGLE_ROLLOUT.name,
+                       EAGLE_LEVEL_DECAY.name, DRAFT_LAYERS.name, DRAFT_HEAD_VOCAB.name))
+
+
+def all_flags_but(*groups: tuple[str, ...]) -> tuple[str, ...]:
+  """This module's flags outside `groups`."""
+  left = {flag.name for flag in flags.FLAGS.get_flags_for_module(__name__)}
+  return tuple(sorted(left.difference(*groups)))
+
+
+# Values that turn a learned draft's option off: setting one is never refused.
+_OFF = {WARM_START.name: "none", DRAFT_CONFIDENCE.name: 0.0, DRAFT_STOP_BEFORE.name: False,
+        HYBRID_DRAFT_COST.name: 0.0}
+
+
+def _given(names: tuple[str, ...]) -> list[str]:
+  """Those of `names` the command line set, to anything but off."""
+  return [name for name in names if not flags.FLAGS[name].using_default_value
+          and flags.FLAGS[name].value != _OFF.get(name, object())]
 
 
 def serve_with_the_best_draft() -> None:
@@ -165,7 +201,12 @@ def load_draft_model(target: loading.LoadedModel,
 
 def load_draft(target: loading.LoadedModel, kind: str | None = None,
                hybrid: bool | None = None) -> drafts.Draft:
-  """The drafter and parameters that --draft and --hybrid name (or kind, hybrid)."""
+  """The drafter and parameters that --draft and --hybrid name (or kind, hybrid).
+
+  A --draft that cannot use a draft flag the command line set is refused; a
+  caller naming `kind` (a bench comparing kinds) applies each flag where it can.
+  """
+  refused = _given if kind is None else lambda names: []
   kind = kind or DRAFT.value
   hybrid = HYBRID.value if hybrid is None else hybrid
   lookup = drafts.NGramDraft(target.config.vocab_size, NGRAM_MAX.value,
@@ -174,11 +215,16 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   if kind == "ngram":
     if hybrid:
       raise ValueError("--hybrid needs a learned draft, not --draft=ngram.")
+    if given := refused(LEARNED_DRAFT_FLAGS):
+      raise ValueError(f"--{given[0]} applies to a learned draft, not --draft=ngram.")
     return drafts.Draft(lookup, (), f"ngram {NGRAM_MIN.value}..{NGRAM_MAX.value}"
                         + (", capped at the match" if NGRAM_CAP.value else "")
                         + (f", in the last {NGRAM_HISTORY.value} requests too"
                            if NGRAM_HISTORY.value else ""))
   if kind == "eagle":
+    if given := refused((DRAFT_CONFIDENCE.name, DRAFT_STOP_BEFORE.name)):
+      raise ValueError(f"--{given[0]} applies to model drafts (derived or a"
+                       " checkpoint), not --draft=eagle.")
     draft = feature_draft(target, EAGLE_ROLLOUT.value, EAGLE_LEVEL_DECAY.value)
   else:
     model = load_draft_model(target, kind)
@@ -190,10 +236,9 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
     raise ValueError("--draft_stop_before_unconfident needs"
                      " --draft_confidence_threshold above 0.5 (then at most one"
                      f" token is confident), got {DRAFT_CONFIDENCE.value}.")
-  if DRAFT_CONFIDENCE.value:
-    if not isinstance(draft.drafter, drafts.ModelDraft):
-      raise ValueError("--draft_confidence_threshold applies to model drafts"
-                       " (derived or a checkpoint), not --draft=eagle.")
+  # A serving entry point's default threshold is for model drafts: the
+  # feature draft keeps drafting k tokens.
+  if DRAFT_CONFIDENCE.value and isinstance(draft.drafter, drafts.ModelDraft):
     # After the warm start: serving-only, so it does not key the cache.
     draft = dataclasses.replace(draft, drafter=dataclasses.replace(
         draft.drafter, confidence_threshold=DRAFT_CONFIDENCE.value,

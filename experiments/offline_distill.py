@@ -117,6 +117,10 @@ def main(argv):
   if FLAGS.compilation_cache:
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(FLAGS.compilation_cache))
+  cli.refuse_unread(model_flags,
+                    model_flags.TARGET_FLAGS + model_flags.DRAFT_MODEL_FLAGS,
+                    "offline distillation trains a model draft from its cut or"
+                    " checkpoint (no warm start, lookup or serving settings)")
   target = model_flags.load_target()
   draft = model_flags.load_draft_model(target)  # offline distillation: a model draft
   cfg = config_from_flags()

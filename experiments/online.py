@@ -171,7 +171,7 @@ def main(argv):
   unknown = set(RUNS.value) - set(PASSES)
   if unknown:
     raise app.UsageError(f"--runs has unknown passes {sorted(unknown)}.")
-  num_devices = None if DEVICES.value == "all" else int(DEVICES.value)
+  num_devices = cli.device_count(DEVICES.value)
   if num_devices and multihost_flags.MULTIHOST.value:
     raise app.UsageError("--multihost runs on every device: keep --devices=all.")
   mesh = online.make_mesh(num_devices)

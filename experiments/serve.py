@@ -13,6 +13,7 @@ README's "Serving" section.
 """
 
 import dataclasses
+import os
 import signal
 import socket
 
@@ -59,7 +60,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 def main(argv):
   del argv
   if sf.COMPILATION_CACHE.value:
-    jax.config.update("jax_compilation_cache_dir", sf.COMPILATION_CACHE.value)
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser(sf.COMPILATION_CACHE.value))
   if sf.RESUME.value and not sf.CHECKPOINT_DIR.value:
     raise app.UsageError("--resume needs --checkpoint_dir.")
   sock = _listening_socket(sf.HOST.value, sf.PORT.value)
@@ -74,7 +76,7 @@ def main(argv):
   if sf.LEARN.value and draft.params == ():
     raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
                          " pass --nolearn.")
-  mesh = online.make_mesh(None if sf.DEVICES.value == "all" else int(sf.DEVICES.value))
+  mesh = online.make_mesh(cli.device_count(sf.DEVICES.value))
   cfg, live = sf.online_config(), sf.live_config()
   checkpointer = None
   if sf.CHECKPOINT_DIR.value:

@@ -25,10 +25,15 @@ STEPS_PER_CALL = flags.DEFINE_integer(
     "steps_per_call", 4, "Speculative steps per engine call: tokens stream back,"
     " and queued requests get slots, between calls.")
 DEVICES = flags.DEFINE_string("devices", "all", "'all' or how many local devices.")
+# The ranges the API accepts in a request (serving/api/parse.py).
 TEMPERATURE = flags.DEFINE_float(
-    "temperature", 1.0, "Temperature of requests that name none (OpenAI's default).")
-TOP_P = flags.DEFINE_float("top_p", 1.0, "top_p of requests that name none.")
-TOP_K = flags.DEFINE_integer("top_k", 0, "top_k of requests that name none; 0 = off.")
+    "temperature", 1.0, "Temperature of requests that name none (OpenAI's default).",
+    lower_bound=0.0, upper_bound=2.0)
+TOP_P = flags.DEFINE_float("top_p", 1.0, "top_p of requests that name none, in (0, 1].",
+                           upper_bound=1.0)
+flags.register_validator(TOP_P.name, lambda p: p > 0.0, "--top_p must be above 0.")
+TOP_K = flags.DEFINE_integer("top_k", 0, "top_k of requests that name none; 0 = off.",
+                             lower_bound=0)
 SEED = flags.DEFINE_integer("seed", 0, "Draws the seeds of requests that bring none.")
 WARM_UP = flags.DEFINE_bool(
     "warm_up", True, "Compile every program before listening, so no request"

@@ -147,3 +147,21 @@ def test_online_run_shows_no_library_logs(tmp_path):
                 "Shuffling", "PyTorch was not found"):
     assert noise not in output, noise
   assert re.search(r"\[online\] \d+ s of serving", done.stdout), done.stdout
+
+
+# --- shared flags an entry point does not read, and bad flag values ---------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["experiments.bench_decode", "--draft=ngram"], ["--draft has no effect here"]),
+    (["experiments.offline_distill", "--warm_start=chat"],
+     ["--warm_start has no effect here"]),
+    (["experiments.bench_speculative", "--ngram_cap_at_match=false"],
+     ["--ngram_cap_at_match has no effect here", "full width"]),
+    (["experiments.bench_lookup", "--ngram_history=0"], ["--ngram_history", "at least 1"]),
+    (["experiments.bench_speculative", "--ks=0"], ["--ks", "positive integers"]),
+    (["experiments.serve", "--top_p=0"], ["--top_p", "above 0"]),
+    (["experiments.online", "--devices=0"], ["--devices", "'0'"]),
+])
+def test_flags_an_entry_point_cannot_honour_end_in_one_line(args, words):
+  assert_user_error(run("-m", *args), *words)

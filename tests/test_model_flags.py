@@ -61,8 +61,7 @@ def test_the_short_proposal_flags_reach_the_drafters():
   assert not hybrid.ngram.cap_at_match
   assert (hybrid.ngram.history, hybrid.ngram.history_min_ngram,
           hybrid.ngram.history_min_share) == (7, 3, 0.25)
-  with flagsaver.flagsaver(**dict(saved, draft="ngram", hybrid=False,
-                                  ngram_cap_at_match=True)):
+  with flagsaver.flagsaver(draft="ngram", hybrid=False, ngram_cap_at_match=True):
     assert model_flags.load_draft(target).drafter.cap_at_match
   for threshold in (0.0, 0.3):
     with flagsaver.flagsaver(**dict(saved, draft_confidence_threshold=threshold)):
@@ -95,3 +94,40 @@ def test_the_feature_draft_flags_reach_the_drafter():
   for bad in ("-0.1", "1.5"):
     with flagsaver.flagsaver(), pytest.raises(flags.IllegalFlagValueError):
       flags.FLAGS["eagle_level_decay"].parse(bad)
+
+
+def test_lookup_alone_refuses_the_learned_draft_flags():
+  target = tiny_model()
+  for name, value in (("warm_start", "chat"), ("draft_confidence_threshold", 0.6),
+                      ("draft_layers", ["1"]), ("hybrid_draft_cost", 0.1)):
+    with flagsaver.flagsaver(**{"draft": "ngram", "hybrid": False, name: value}):
+      with pytest.raises(ValueError, match=f"--{name} applies to a learned draft"):
+        model_flags.load_draft(target)
+  # Set to off, they are accepted: there is nothing to ignore.
+  with flagsaver.flagsaver(draft="ngram", hybrid=False, warm_start="none",
+                           draft_confidence_threshold=0.0):
+    assert isinstance(model_flags.load_draft(target).drafter, drafts.NGramDraft)
+
+
+def test_a_serving_default_threshold_leaves_the_feature_draft_alone():
+  """serve_with_the_best_draft's threshold is a default for model drafts:
+  --draft=eagle works under it, and drafts k tokens."""
+  target = tiny_model()
+  with flagsaver.flagsaver(draft="eagle", hybrid=False, warm_start="none",
+                           draft_head_vocab=0):
+    model_flags.serve_with_the_best_draft()  # defaults: what the flags above set stays
+    assert model_flags.DRAFT_CONFIDENCE.value == 0.7
+    assert isinstance(model_flags.load_draft(target).drafter, drafts.FeatureDraft)
+
+
+def test_entry_points_refuse_shared_flags_they_do_not_read():
+  from absl import app  # pylint: disable=import-outside-toplevel
+  from experiments import cli  # pylint: disable=import-outside-toplevel
+  cli.refuse_unread(model_flags, model_flags.TARGET_FLAGS, "defaults are fine")
+  with flagsaver.flagsaver(draft="ngram", ngram_max=3):
+    with pytest.raises(app.UsageError,
+                       match="--draft, --ngram_max have no effect here: it times"):
+      cli.refuse_unread(model_flags, model_flags.TARGET_FLAGS, "it times the target")
+    cli.refuse_unread(model_flags, model_flags.all_flags_but(), "every flag is read")
+  assert "draft" in model_flags.all_flags_but(model_flags.TARGET_FLAGS)
+  assert "target" not in model_flags.all_flags_but(model_flags.TARGET_FLAGS)

@@ -405,6 +405,9 @@ def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig, drafter,
 
 def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
   """A 1-D mesh over the first num_devices devices (all, every host, if None)."""
+  if num_devices is not None and not 1 <= num_devices <= jax.device_count():
+    raise ValueError(f"Asked for {num_devices} devices; this job has"
+                     f" {jax.device_count()}.")
   devices = jax.devices()[:num_devices] if num_devices else jax.devices()
   return jax.sharding.Mesh(devices, (AXIS,))
 
