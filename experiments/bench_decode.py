@@ -35,8 +35,7 @@ from osd_jax.decoding.engine import Engine
 from osd_jax.models import llama
 
 BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).")
-flags.register_validator(BATCH_SIZES, bench_common.every_item(int, lambda n: n >= 1),
-                         "--batch_sizes takes positive integers.")
+cli.require_positive_ints(BATCH_SIZES)
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per row.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per measurement.")
 THREADS = flags.DEFINE_integer("torch_threads", 0, "torch threads; 0 = default.")

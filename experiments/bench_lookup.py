@@ -38,8 +38,7 @@ OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs/bench_lookup",
 REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds of each verification width.")
 
 
-flags.register_validator(HISTORY_MINS, bench_common.every_item(int, lambda n: n >= 1),
-                         "--history_mins takes whole numbers >= 1.")
+cli.require_positive_ints(HISTORY_MINS)
 flags.register_validator(MIN_SHARES, bench_common.every_item(float, lambda x: 0 <= x <= 1),
                          "--min_shares takes numbers in [0, 1].")
 

@@ -21,7 +21,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from experiments import bench_common, cli, model_flags
+from experiments import cli, model_flags
 from osd_jax.data import streams
 from osd_jax.decoding.sampling import Sampling
 from osd_jax.distillation.update import DistillConfig
@@ -32,8 +32,7 @@ SLOTS = flags.DEFINE_integer("slots", 8, "Decode slots.")
 UPDATE_INTERVAL = flags.DEFINE_integer("update_interval", 8, "Requests per update.")
 UPDATE_STEPS = flags.DEFINE_list("update_steps", ["1", "2", "4"],
                                  "Optimizer steps per update to compare.")
-flags.register_validator(UPDATE_STEPS, bench_common.every_item(int, lambda n: n >= 1),
-                         "--update_steps takes positive integers.")
+cli.require_positive_ints(UPDATE_STEPS)
 BUFFER_CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples kept.")
 K = flags.DEFINE_integer("k", 4, "Draft tokens per step.")
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request.")

@@ -47,8 +47,7 @@ NUM_REQUESTS = flags.DEFINE_integer("num_requests", 240, "Requests in the stream
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per answer.")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs/bench_lookup",
                                  "Where the greedy answers are cached.")
-flags.register_validator(ROLLOUTS, bench_common.every_item(int, lambda n: n >= 1),
-                         "--rollouts takes whole numbers >= 1.")
+cli.require_positive_ints(ROLLOUTS)
 flags.register_validator(LEVEL_DECAYS, bench_common.every_item(float, lambda x: 0 <= x <= 1),
                          "--level_decays takes numbers in [0, 1].")
 

@@ -28,13 +28,12 @@ from absl import app, flags
 import numpy as np
 import openai
 
-from experiments import bench_common, cli
+from experiments import cli
 from experiments.server_process import ServerProcess
 from osd_jax.data import streams
 
 CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "8"], "Clients in flight.")
-flags.register_validator(CONCURRENCY, bench_common.every_item(int, lambda n: n >= 1),
-                         "--concurrency takes positive integers.")
+cli.require_positive_ints(CONCURRENCY)
 REQUESTS = flags.DEFINE_integer("requests", 16, "Requests per concurrency level.")
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 DOMAINS = flags.DEFINE_list("domains", ["math", "sql"], "Query domains, in order.")

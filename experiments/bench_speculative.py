@@ -37,10 +37,7 @@ from osd_jax.serving.driver import encode_prompts
 
 BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes (slots).")
 KS = flags.DEFINE_list("ks", [str(k) for k in range(1, 9)], "Values of k.")
-flags.register_validator(BATCH_SIZES, bench_common.every_item(int, lambda n: n >= 1),
-                         "--batch_sizes takes positive integers.")
-flags.register_validator(KS, bench_common.every_item(int, lambda n: n >= 1),
-                         "--ks takes positive integers.")
+cli.require_positive_ints(BATCH_SIZES, KS)
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per row.")
 REPEATS = flags.DEFINE_integer("repeats", 2, "Timed calls per measurement.")
 DOMAIN = flags.DEFINE_string("domain", "math", "Prompt domain.")
@@ -50,8 +47,7 @@ LOCKSTEP = flags.DEFINE_integer(
 LOCKSTEP_BUDGETS = flags.DEFINE_list(
     "lockstep_budgets", ["64", "256"], "max_new_tokens of the lockstep comparison,"
     " one comparison each.")
-flags.register_validator(LOCKSTEP_BUDGETS, bench_common.every_item(int, lambda n: n >= 1),
-                         "--lockstep_budgets takes positive integers.")
+cli.require_positive_ints(LOCKSTEP_BUDGETS)
 HF_ASSISTED = flags.DEFINE_bool("hf_assisted", True,
                                 "Also time transformers' assisted generation.")
 

@@ -101,6 +101,15 @@ def refuse_unread(module: types.ModuleType, reads: Iterable[str], why: str) -> N
     raise app.UsageError(f"{names} {verb} no effect here: {why}")
 
 
+def require_positive_ints(*list_flags: flags.FlagHolder) -> None:
+  """Validates list flags whose items are whole numbers >= 1 (batch sizes,
+  values of k, ...): a typo ends in one line, not a traceback mid-run."""
+  for holder in list_flags:
+    flags.register_validator(
+        holder, lambda items: all(i.isdigit() and int(i) >= 1 for i in items),
+        f"--{holder.name} takes positive integers.")
+
+
 def device_count(value: str) -> int | None:
   """A --devices value: None for 'all', else a count of at least 1."""
   if value == "all":
