@@ -2,9 +2,11 @@
 
   python -m experiments.generate --prompt="The capital of France is"
   python -m experiments.generate --chat --k=4 --output=json --prompt="Write a haiku"
+  python -m experiments.generate --chat --k=4 --draft=ngram --prompt="Write a haiku"
 """
 
 import json
+import math
 import time
 
 from absl import flags
@@ -28,6 +30,18 @@ OUTPUT = flags.DEFINE_enum("output", "text", ["text", "json"], "Output format.")
 model_flags.serve_with_the_best_draft()  # the draft of --k >= 1
 
 
+def strict_json(record: dict) -> str:
+  """One JSON line that jq and JSON.parse read: a metric with no value (alpha
+  when nothing was drafted is NaN) is null, not Python's NaN."""
+  def finite(x):
+    if isinstance(x, dict):
+      return {key: finite(value) for key, value in x.items()}
+    if isinstance(x, list):
+      return [finite(value) for value in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+  return json.dumps(finite(record), allow_nan=False)
+
+
 def main(argv):
   del argv
   target = model_flags.load_target()
@@ -41,8 +55,8 @@ def main(argv):
   seconds = time.perf_counter() - start
   for c in completions:
     if OUTPUT.value == "json":
-      print(json.dumps({"prompt": c.prompt, "text": c.text,
-                        "token_ids": c.token_ids, **c.metrics}))
+      print(strict_json({"prompt": c.prompt, "text": c.text,
+                         "token_ids": c.token_ids, **c.metrics}))
     else:
       print(f"{c.prompt}\033[1m{c.text}\033[0m\n")
   if OUTPUT.value == "text":

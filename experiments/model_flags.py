@@ -208,7 +208,11 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   """
   refused = _given if kind is None else lambda names: []
   kind = kind or DRAFT.value
-  hybrid = HYBRID.value if hybrid is None else hybrid
+  if hybrid is None:
+    # A serving entry point's default --hybrid is for learned drafts: lookup
+    # alone turns it off, unless the command line asked for both.
+    hybrid = HYBRID.value and (kind != "ngram" or not flags.FLAGS[HYBRID.name]
+                               .using_default_value)
   lookup = drafts.NGramDraft(target.config.vocab_size, NGRAM_MAX.value,
                              NGRAM_MIN.value, NGRAM_CAP.value, NGRAM_HISTORY.value,
                              NGRAM_HISTORY_MIN.value, NGRAM_HISTORY_SHARE.value)

@@ -84,6 +84,24 @@ def test_prompt_longer_than_the_context():
                         "--max_new_tokens=2"), "exceeds the context")
 
 
+def test_lookup_alone_runs_as_the_readme_says_and_prints_strict_json(tmp_path):
+  """README's `--draft=ngram` example: the serving default --hybrid gives way
+  to lookup alone (an explicit --hybrid is still refused), and a request
+  that drafts nothing prints alpha as null, not NaN."""
+  from tests import tiny_models  # pylint: disable=import-outside-toplevel
+  target, _ = tiny_models.pair()
+  loading.save_hf(target, str(tmp_path / "target"))
+  args = ["-m", "experiments.generate", f"--target={tmp_path / 'target'}", "--chat",
+          "--k=2", "--draft=ngram", "--output=json", "--prompt=w5 w6 w7",
+          "--max_new_tokens=1"]
+  done = run(*args)
+  assert done.returncode == 0, done.stderr[-3000:]
+  refuse = lambda constant: pytest.fail(f"{constant} is not JSON")
+  record = json.loads(done.stdout.strip().splitlines()[-1], parse_constant=refuse)
+  assert record["alpha"] is None and len(record["token_ids"]) == 1
+  assert_user_error(run(*args, "--hybrid"), "--hybrid needs a learned draft")
+
+
 # --- what cli.run counts as a user error ------------------------------------
 
 
