@@ -262,12 +262,13 @@ class LiveEngine:
         done=self._free(slots.done, self._rows(mask))))
 
   def _free_cancelled(self) -> None:
-    for request in [r for r in self._pending if r.cancelled]:
+    gone = [r for r in self._pending if r.cancelled]
+    self._pending = collections.deque(r for r in self._pending if not r.cancelled)
+    for request in gone:
       # Never admitted: nothing was computed for it.
       stats = RequestStats(0, 0, 0, 0, 0, (0,) * self.cfg.k, 0, 0.0, 0.0)
-      self.metrics.observe(stats, "abort")
+      self.metrics.observe(stats, "abort", **self._occupancy())
       request.on_event(Finished("cancelled", stats))
-    self._pending = collections.deque(r for r in self._pending if not r.cancelled)
     cancelled = [s for s in self._occupied() if self._owner[s].cancelled]
     if not cancelled:
       return
@@ -375,7 +376,7 @@ class LiveEngine:
       outcome = "stop" if request.tokens_used is not None else "abort"
     else:
       outcome = "stop" if reason == "eos" else "length"
-    self.metrics.observe(stats, outcome)
+    self.metrics.observe(stats, outcome, **self._occupancy())
     request.on_event(Finished(reason, stats))
 
   def _fail_all(self, message: str) -> None:
@@ -390,12 +391,15 @@ class LiveEngine:
         (self._state.num_updates, self._state.num_skipped, self._state.last_loss))
     return int(updates.sum()), int(skipped.sum()), float(loss[0])
 
+  def _occupancy(self) -> dict[str, int]:
+    """The slot and queue gauges as they stand now."""
+    return {"queue_depth": len(self._pending) + self._commands.qsize(),
+            "slots_in_use": len(self._occupied())}
+
   def _publish_gauges(self) -> None:
     updates, skipped, loss = self._counts
-    self.metrics.set_engine(
-        queue_depth=len(self._pending) + self._commands.qsize(),
-        slots_in_use=len(self._occupied()), draft_updates=updates,
-        draft_updates_skipped=skipped, draft_last_loss=loss)
+    self.metrics.set_engine(**self._occupancy(), draft_updates=updates,
+                            draft_updates_skipped=skipped, draft_last_loss=loss)
 
   def _save(self) -> None:
     if self.checkpointer is None:

@@ -50,9 +50,12 @@ class ServerMetrics:
     self._gauges = {"queue_depth": 0, "slots_in_use": 0, "draft_updates": 0,
                     "draft_updates_skipped": 0, "draft_last_loss": float("nan")}
 
-  def observe(self, stats: RequestStats, reason: str) -> None:
-    """Adds one finished request (reason: stop, length or abort)."""
+  def observe(self, stats: RequestStats, reason: str, **gauges) -> None:
+    """Adds one finished request (reason: stop, length or abort), and sets
+    `gauges` (as set_engine) under the same lock: a scrape never sees the
+    request counted while its slot still shows in use."""
     with self._lock:
+      self._set(gauges)
       for i, value in enumerate(_fields(stats)):
         self._counters[i] += value
       for i, value in enumerate(stats.accepted_per_pos):
@@ -64,10 +67,13 @@ class ServerMetrics:
   def set_engine(self, **gauges) -> None:
     """queue_depth, slots_in_use, draft_updates, draft_updates_skipped, draft_last_loss."""
     with self._lock:
-      unknown = set(gauges) - set(self._gauges)
-      if unknown:
-        raise KeyError(f"unknown gauges {sorted(unknown)}")
-      self._gauges.update(gauges)
+      self._set(gauges)
+
+  def _set(self, gauges: dict) -> None:
+    unknown = set(gauges) - set(self._gauges)
+    if unknown:
+      raise KeyError(f"unknown gauges {sorted(unknown)}")
+    self._gauges.update(gauges)
 
   @property
   def rolling_alpha(self) -> float:
