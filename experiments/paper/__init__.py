@@ -6,7 +6,9 @@
   and of the online draft (its last window on the stream, and its final
   weights on the held-out prompts).
 - shift: a sharp-shift stream served by the online draft and by static drafts
-  distilled in advance on 0/30/50/70/100 % of each segment.
+  distilled in advance on 0/30/50/70/100 % of each segment, each scored on
+  every request and on the requests it did not train on (beside the online
+  draft on those same requests).
 - categories: one draft per category (language or topic) versus one shared.
 - speedup: the cost ratios c (draft step / target step) and v (target call on
   k+1 tokens / on 1), the speed-up they predict from each measured alpha, and

@@ -2,6 +2,9 @@
 
   python -m experiments.paper --experiment=main --output_dir=results/main
   python -m experiments.paper --experiment=shift --quick --output_dir=/tmp/shift
+  # segments long enough for the online draft's dip and recovery (about 40 min
+  # on 2 otherwise idle cores):
+  python -m experiments.paper --experiment=shift --segment_length=300 --output_dir=/tmp/shift_300
 """
 
 import dataclasses

@@ -92,8 +92,9 @@ def last_window(records, window: int) -> float:
 
 
 def markdown(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-  """A markdown table; floats to 3 decimals."""
-  cell = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)
+  """A markdown table; floats to 3 decimals, None as "-"."""
+  cell = lambda x: (f"{x:.3f}" if isinstance(x, float)
+                    else "-" if x is None else str(x))
   lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
   lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
   return "\n".join(lines) + "\n"

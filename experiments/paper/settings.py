@@ -90,7 +90,8 @@ _HELP = {
     "domains": "Data sets (make_stream names) of main, shift and speedup.",
     "num_train": "main/speedup: online stream length = offline training prompts.",
     "num_eval": "Held-out prompts per data set.",
-    "segment_length": "shift: requests per segment.",
+    "segment_length": "shift: requests per segment (refused if fewer prompts"
+                      " fit --prompt_len).",
     "fractions": "shift: parts of each segment the static drafts see in advance.",
     "category_domains": "categories: data sets the per-category stream draws from.",
     "category_key": "categories: route by 'language' or 'domain' (topic).",
