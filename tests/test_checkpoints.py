@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from osd_jax.checkpoints import gguf_file, layout, loading
 from osd_jax.decoding.engine import Engine
 from osd_jax.models import config as configs
 from osd_jax.models import llama
+from tests import gguf_convert
 from tests.tiny_models import random_params
 
 TEXTS = [
@@ -69,52 +69,11 @@ def assert_same_params(a, b):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def _llama_cpp_permute(w, num_heads):
-  """llama.cpp's convert script: HF rotate-half rows -> interleaved rows."""
-  return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
-
-
-def write_gguf(path, model, arch="llama"):
+def write_gguf(path, model, arch=None):
   """A float32 GGUF file written the way llama.cpp's converter writes one."""
-  config, tokenizer = model.config, model.tokenizer
-  writer = gguf.GGUFWriter(path, arch)
-  writer.add_block_count(config.num_layers)
-  writer.add_context_length(config.max_positions)
-  writer.add_embedding_length(config.hidden_dim)
-  writer.add_feed_forward_length(config.mlp_dim)
-  writer.add_head_count(config.num_heads)
-  writer.add_head_count_kv(config.num_kv_heads)
-  writer.add_layer_norm_rms_eps(config.rms_eps)
-  writer.add_rope_freq_base(config.rope_theta)
-  spec = json.loads(tokenizer.backend_tokenizer.to_str())
-  tokens = [t for t, _ in sorted(spec["model"]["vocab"].items(), key=lambda x: x[1])]
-  special = {a["id"] for a in spec["added_tokens"]}
-  writer.add_tokenizer_model("gpt2")
-  writer.add_tokenizer_pre("gpt2")
-  writer.add_token_list(tokens)
-  writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-  writer.add_token_merges([" ".join(m) for m in spec["model"]["merges"]])
-  writer.add_bos_token_id(config.bos_id)
-  writer.add_eos_token_id(config.eos_id)
-  writer.add_pad_token_id(config.pad_id)
-  writer.add_chat_template(CHAT_TEMPLATE)
-  to_gguf = {hf: ours for ours, hf in gguf_file._LAYER_NAMES.items()}  # pylint: disable=protected-access
-  globals_ = {hf: ours for ours, hf in gguf_file._GLOBAL_NAMES.items()}  # pylint: disable=protected-access
-  for name, w in layout.params_to_hf(model.params, config).items():
-    if name in globals_:
-      writer.add_tensor(globals_[name], w)
-      continue
-    _, _, index, rest = name.split(".", 3)
-    if rest == "self_attn.q_proj.weight":
-      w = _llama_cpp_permute(w, config.num_heads)
-    elif rest == "self_attn.k_proj.weight":
-      w = _llama_cpp_permute(w, config.num_kv_heads)
-    writer.add_tensor(f"blk.{index}.{to_gguf[rest]}", np.ascontiguousarray(w))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  hf_dir = path + ".hf"
+  loading.save_hf(model, hf_dir)
+  gguf_convert.convert(hf_dir, path, model.tokenizer, pre="gpt2", arch=arch)
 
 
 @pytest.fixture(scope="module")

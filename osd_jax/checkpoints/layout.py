@@ -18,6 +18,11 @@ LAYER_NAMES = {
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
 }
+# The same for the weights only some families have (see LlamaConfig).
+BIAS_NAMES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+              "bv": "self_attn.v_proj.bias"}
+OUTPUT_BIAS_NAMES = {"bo": "self_attn.o_proj.bias"}
+QK_NORM_NAMES = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
@@ -25,6 +30,13 @@ LM_HEAD = "lm_head.weight"
 
 class CheckpointError(UserError, ValueError):
   """A checkpoint that is missing, corrupt or of an unsupported kind."""
+
+
+def layer_names(config: LlamaConfig) -> dict[str, str]:
+  """Our per-layer names -> HF names, for the weights `config` has."""
+  return {**LAYER_NAMES, **(BIAS_NAMES if config.qkv_bias else {}),
+          **(OUTPUT_BIAS_NAMES if config.output_bias else {}),
+          **(QK_NORM_NAMES if config.qk_norm else {})}
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict:
@@ -36,8 +48,19 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict:
       raise CheckpointError(f"Checkpoint has no tensor {name!r}.")
     return np.asarray(tensors[name], np.float32)
 
+  names = layer_names(config)
+  used = {f"model.layers.{i}.{theirs}" for i in range(config.num_layers)
+          for theirs in names.values()}
+  # A weight the config does not account for (a bias it does not declare)
+  # would be dropped: refuse. Older exports keep RoPE's buffer; it is derived.
+  unused = sorted(n for n in tensors if n.startswith("model.layers.")
+                  and n not in used and not n.endswith("rotary_emb.inv_freq"))
+  if unused:
+    raise CheckpointError(
+        f"Checkpoint has {len(unused)} layer tensors its config does not use,"
+        f" e.g. {unused[0]!r}.")
   layers = {}
-  for ours, theirs in LAYER_NAMES.items():
+  for ours, theirs in names.items():
     per_layer = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
     stacked = np.stack(per_layer)
     layers[ours] = stacked if stacked.ndim == 2 else stacked.swapaxes(1, 2)
@@ -61,7 +84,7 @@ def params_to_hf(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
   """Our tree back to HF names and [out, in] layout, as float32 numpy."""
   tensors = {EMBED: np.asarray(params["embed"], np.float32),
              FINAL_NORM: np.asarray(params["final_norm"], np.float32)}
-  for ours, theirs in LAYER_NAMES.items():
+  for ours, theirs in layer_names(config).items():
     stacked = np.asarray(params["layers"][ours], np.float32)
     for i in range(config.num_layers):
       w = stacked[i]

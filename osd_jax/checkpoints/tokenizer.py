@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from osd_jax.checkpoints import layout
 
@@ -15,9 +15,16 @@ if TYPE_CHECKING:
 
 # llama.cpp token types: 3 marks control tokens such as <|im_start|>.
 _CONTROL = 3
-# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre`; "smollm" splits every
-# digit apart before the GPT-2 byte-level regex (as in SmolLM2's tokenizer.json).
-_SPLIT_DIGITS = {"smollm": True, "gpt2": False, "default": False}
+# Pre-tokenizers by GGUF `tokenizer.ggml.pre`: a split regex run before the
+# byte-level mapping (None: GPT-2's own regex inside ByteLevel), as each
+# family's tokenizer.json has it. "smollm" first splits every digit apart.
+_LETTERS_THEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_AFTER_DIGITS = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_PRE_SPLITS = {
+    "gpt2": None, "default": None, "smollm": None,
+    "llama-bpe": _LETTERS_THEN + r"\p{N}{1,3}" + _AFTER_DIGITS,  # Llama 3
+    "qwen2": _LETTERS_THEN + r"\p{N}" + _AFTER_DIGITS,  # Qwen2, Qwen2.5, Qwen3
+}
 
 
 def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
@@ -30,16 +37,20 @@ def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
         f"GGUF tokenizer model {model_kind!r} is not supported (only"
         " byte-level BPE, 'gpt2').")
   pre = fields.get("tokenizer.ggml.pre", "default")
-  if pre not in _SPLIT_DIGITS:
+  if pre not in _PRE_SPLITS:
     raise layout.CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported.")
   tokens = fields["tokenizer.ggml.tokens"]
   vocab = {token: i for i, token in enumerate(tokens)}
   merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
   tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if _SPLIT_DIGITS[pre]:
+  split = _PRE_SPLITS[pre]
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+  if pre == "smollm":
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), byte_level])
+  elif split is not None:
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
   else:
     tok.pre_tokenizer = byte_level
   tok.decoder = decoders.ByteLevel()
@@ -50,6 +61,12 @@ def from_gguf_fields(fields: dict) -> transformers.PreTrainedTokenizerFast:
   def token(key):
     index = fields.get(f"tokenizer.ggml.{key}_token_id")
     return None if index is None else tokens[index]
+
+  if fields.get("tokenizer.ggml.add_bos_token") and token("bos") is not None:
+    bos = token("bos")  # Llama 3 prepends <|begin_of_text|> to every text
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+        special_tokens=[(bos, vocab[bos])])
 
   return transformers.PreTrainedTokenizerFast(
       tokenizer_object=tok, bos_token=token("bos"), eos_token=token("eos"),

@@ -102,7 +102,7 @@ class Engine:
 
   @property
   def context(self) -> int:
-    return self.target.config.max_positions
+    return self.target.config.context
 
   def encode(self, prompts: list[str], chat: bool = False) -> list[list[int]]:
     """Token ids of each prompt, through the chat template when asked."""
@@ -118,7 +118,9 @@ class Engine:
       raise ValueError(
           f"Prompt of {len(prompt_ids)} tokens + max_new_tokens"
           f" {max_new_tokens} + k {self.k} exceeds the context of"
-          f" {self.context} positions.")
+          f" {self.context} positions"
+          + (" (the model's sliding attention window)"
+             if self.context == self.target.config.sliding_window else "") + ".")
     if self.cache_size and need > self.cache_size:
       raise ValueError(f"Prompt of {len(prompt_ids)} tokens + max_new_tokens"
                        f" {max_new_tokens} + k {self.k} exceeds the engine's"

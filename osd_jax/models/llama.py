@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from osd_jax.models import kv_cache
+from osd_jax.models import rope
 from osd_jax.models.config import LlamaConfig
 from osd_jax.models.kv_cache import KVCache
 from osd_jax.models.packing import Packing
@@ -31,21 +32,26 @@ def init_params(config: LlamaConfig, rng: jax.Array) -> Params:
   def normal(shape, fan_in):
     return (jax.random.normal(next(keys), shape) / jnp.sqrt(fan_in)).astype(dtype)
 
-  params = {
-      "embed": normal((config.vocab_size, d), 1.0),
-      "layers": {
-          "attn_norm": jnp.ones((n, d), dtype),
-          "wq": normal((n, d, h * hd), d),
-          "wk": normal((n, d, kv * hd), d),
-          "wv": normal((n, d, kv * hd), d),
-          "wo": normal((n, h * hd, d), h * hd),
-          "mlp_norm": jnp.ones((n, d), dtype),
-          "w_gate": normal((n, d, f), d),
-          "w_up": normal((n, d, f), d),
-          "w_down": normal((n, f, d), f),
-      },
-      "final_norm": jnp.ones((d,), dtype),
+  layers = {
+      "attn_norm": jnp.ones((n, d), dtype),
+      "wq": normal((n, d, h * hd), d),
+      "wk": normal((n, d, kv * hd), d),
+      "wv": normal((n, d, kv * hd), d),
+      "wo": normal((n, h * hd, d), h * hd),
+      "mlp_norm": jnp.ones((n, d), dtype),
+      "w_gate": normal((n, d, f), d),
+      "w_up": normal((n, d, f), d),
+      "w_down": normal((n, f, d), f),
   }
+  if config.qkv_bias:
+    layers.update(bq=jnp.zeros((n, h * hd), dtype), bk=jnp.zeros((n, kv * hd), dtype),
+                  bv=jnp.zeros((n, kv * hd), dtype))
+  if config.output_bias:
+    layers["bo"] = jnp.zeros((n, d), dtype)
+  if config.qk_norm:
+    layers.update(q_norm=jnp.ones((n, hd), dtype), k_norm=jnp.ones((n, hd), dtype))
+  params = {"embed": normal((config.vocab_size, d), 1.0), "layers": layers,
+            "final_norm": jnp.ones((d,), dtype)}
   if not config.tie_embeddings:
     params["lm_head"] = normal((d, config.head_size), d)
   return params
@@ -55,19 +61,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array,
-               theta: float) -> jax.Array:
-  """Rotary embedding in the Hugging Face (rotate-half) layout."""
-  head_dim = x_BxTxHxD.shape[-1]
-  inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, jnp.float32) / head_dim)
-  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-  angles = jnp.concatenate([angles_BxTxF, angles_BxTxF], axis=-1)[:, :, None]
-  x32 = x_BxTxHxD.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x_BxTxHxD.dtype)
 
 
 def flat_heads(x_BxTxHxD: jax.Array) -> jax.Array:
@@ -154,22 +147,31 @@ def project_qkv(config: LlamaConfig, layer, x, positions_BxT):
   h = rms_norm(x, layer["attn_norm"], config.rms_eps)
   if "wqkv" in layer:  # the fused layout (see fuse_projections)
     q_width = config.num_heads * config.head_dim
-    qkv = product(h, layer, "wqkv")
+    qkv = with_bias(product(h, layer, "wqkv"), layer, "bqkv")
     q, k, v = jnp.split(qkv, [q_width, q_width + config.num_kv_heads * config.head_dim],
                         axis=-1)
   else:
-    q = product(h, layer, "wq")
-    k, v = product(h, layer, "wk"), product(h, layer, "wv")
+    q = with_bias(product(h, layer, "wq"), layer, "bq")
+    k = with_bias(product(h, layer, "wk"), layer, "bk")
+    v = with_bias(product(h, layer, "wv"), layer, "bv")
   q = q.reshape(b, t, config.num_heads, -1)
   k = k.reshape(b, t, config.num_kv_heads, -1)
   v = v.reshape(b, t, config.num_kv_heads, -1)
-  return (apply_rope(q, positions_BxT, config.rope_theta),
-          apply_rope(k, positions_BxT, config.rope_theta), v)
+  if config.qk_norm:  # Qwen3: each head normed before the rotation
+    q = rms_norm(q, layer["q_norm"], config.rms_eps)
+    k = rms_norm(k, layer["k_norm"], config.rms_eps)
+  inv_freq = config.inv_freq
+  return rope.apply(q, positions_BxT, inv_freq), rope.apply(k, positions_BxT, inv_freq), v
+
+
+def with_bias(x: jax.Array, weights: dict, name: str) -> jax.Array:
+  """x plus weights[name] where the layout has that bias (Qwen2's q, k, v)."""
+  return x + weights[name].astype(x.dtype) if name in weights else x
 
 
 def block_output(config: LlamaConfig, layer, x, attn_BxTxHD):
   """The rest of a pre-norm block after attention: projection, residual, MLP."""
-  x = x + product(attn_BxTxHD, layer, "wo")
+  x = x + with_bias(product(attn_BxTxHD, layer, "wo"), layer, "bo")
   h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
   if "w_gate_up" in layer:
     gate, up = jnp.split(product(h, layer, "w_gate_up"), 2, axis=-1)
@@ -265,6 +267,7 @@ def forward(params: Params, config: LlamaConfig, tokens_BxT: jax.Array,
   positions_BxT = lengths[:, None] + jnp.arange(t)[None, :]
   layers = params["layers"]
   if cache is None:
+    config.check_length(t, "a sequence length")  # a cache's was checked at init
     if isinstance(layers, (list, tuple)):
       for layer in layers:
         x, _ = decoder_layer(config, x, layer, positions_BxT, None, None, None)
@@ -357,8 +360,10 @@ def fuse_projections(layer: dict) -> dict:
   if "wq" not in layer:
     return layer
   fused = {name: w for name, w in layer.items()
-           if name not in ("wq", "wk", "wv", "w_gate", "w_up")}
+           if name not in ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv")}
   fused["wqkv"] = jnp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=-1)
+  if "bq" in layer:
+    fused["bqkv"] = jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-1)
   fused["w_gate_up"] = jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
   return fused
 
