@@ -376,6 +376,26 @@ def test_target_only_server_answers_as_the_engine(tiny, tmp_path):
     assert server.stop() == 0
 
 
+def test_programs_past_the_map_limit_are_refused_in_one_line(tmp_path):
+  """With a host limit (a stand-in for /proc/sys/vm/max_map_count) that not
+  even one program fits, the server says so and what to change, before it
+  compiles anything."""
+  target, draft = tiny_models.pair()
+  loading.save_hf(target, str(tmp_path / "target"))
+  loading.save_hf(draft, str(tmp_path / "draft"))
+  (tmp_path / "max_map_count").write_text("3000\n")
+  server = ServerProcess([f"--target={tmp_path / 'target'}",
+                          f"--draft={tmp_path / 'draft'}", *TINY_FLAGS],
+                         str(tmp_path / "server.log"),
+                         env={"OSD_JAX_MAX_MAP_COUNT_PATH": str(tmp_path / "max_map_count")})
+  assert server.process.wait(120) == 1
+  log = server.log()
+  errors = [line for line in log.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "Traceback" not in log, log
+  assert "vm.max_map_count = 3,000" in errors[0] and "--cache_size" in errors[0]
+  assert "compiling" not in log
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2, tmp_path_factory):
   root = tmp_path_factory.mktemp("real_server")

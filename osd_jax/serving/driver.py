@@ -27,9 +27,10 @@ from osd_jax.decoding import speculative
 from osd_jax.decoding.drafts import Draft
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.models import llama
-from osd_jax.serving import distributed, online
+from osd_jax.serving import distributed, online, program_maps
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.learning_budget import LearningBudget
+from osd_jax.serving.program_maps import memory_maps
 
 # Per-row running sums of speculative.Metrics.
 ROW_METRICS = ("proposed", "accepted", "target_calls", "emitted", "alpha_sum",
@@ -155,31 +156,17 @@ def run_stream(*args, **kwargs) -> online.OnlineState:
   return state
 
 
-def memory_maps() -> tuple[int, int] | None:
-  """(memory mappings this process holds, Linux's vm.max_map_count), or
-  None where the kernel does not say (not Linux)."""
-  try:
-    with open("/proc/sys/vm/max_map_count") as f:
-      limit = int(f.read())
-    with open("/proc/self/maps") as f:
-      return sum(1 for _ in f), limit
-  except (OSError, ValueError):
-    return None
-
-
 def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
                    on_done: Callable[[str], None] = lambda name: None) -> None:
   """Drives serve_stream generators. Interleaved, the passes go round in
   turns, each up to its next pause (so a machine whose speed drifts slows
   every pass alike); otherwise each runs to its end before the next starts.
 
-  Passes served in turns all keep their compiled programs, and XLA's CPU
-  backend maps three memory regions per kernel: a pass of SmolLM2 at 8 slots
-  (16-20 programs) holds 8,000 (target only) to 33,000 (learning), and Linux
-  stops a process at vm.max_map_count (65,530 by default) with "LLVM
-  compilation error: Cannot allocate memory". So a pass joins the turns
-  only while it would fit under that limit; otherwise it waits until the
-  running ones end and their programs are dropped.
+  Passes served in turns all keep their compiled programs: a pass of SmolLM2
+  at 8 slots (16-20 programs) holds 8,000 (target only) to 33,000 (learning)
+  memory mappings (program_maps). So a pass joins the turns only while it
+  would fit under vm.max_map_count; otherwise it waits until the running
+  ones end and their programs are dropped.
   """
   pending, running, largest = list(runs), [], 0
 
@@ -210,19 +197,15 @@ def serve_in_turns(runs: dict[str, Iterator], interleave: bool = True,
   run_to_end(running)
 
 
-def _fits(maps: tuple[int, int] | None, largest: int, name: str,
-          headroom: float = 0.9) -> bool:
-  """Whether a pass of up to twice the `largest` pass's mappings fits beside
-  the `maps` held, under the limit, on every host (a pass that drafts, or
-  learns, compiles more kernels than the target-only pass: 2x and 4x at 8
-  slots)."""
-  if distributed.all_agree(maps is None or maps[0] + 2 * largest <= headroom * maps[1]):
+def _fits(maps: tuple[int, int] | None, largest: int, name: str) -> bool:
+  """Whether the next pass fits beside the running ones on every host."""
+  if distributed.all_agree(program_maps.fits_another(maps, largest)):
     return True
   held = (f"hold {maps[0]:,} of this process's vm.max_map_count = {maps[1]:,}"
           if maps else "would not fit another host's vm.max_map_count")
   print(f"[{name}] waits for the passes before it to end: their compiled"
         f" programs {held} memory mappings (raise it to serve every pass in"
-        " turns: sudo sysctl -w vm.max_map_count=262144)")
+        f" turns: {program_maps.RAISE_IT})")
   return False
 
 

@@ -32,7 +32,8 @@ from osd_jax.decoding.drafts import Draft, ModelDraft
 from osd_jax.decoding.sampling import RowSampling
 from osd_jax.distillation import objectives
 from osd_jax.models import llama
-from osd_jax.serving import distributed, driver, online
+from osd_jax import progress
+from osd_jax.serving import distributed, online, program_maps
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.learning_budget import LearningBudget
 from osd_jax.serving.live_request import (Failed, Finished, LiveRequest, RequestStats,
@@ -71,7 +72,8 @@ class LiveEngine:
 
   def __init__(self, target: LoadedModel, draft: Draft, cfg: online.OnlineConfig,
                live: LiveConfig, *, mesh: jax.sharding.Mesh,
-               checkpointer: Checkpointer | None = None):
+               checkpointer: Checkpointer | None = None,
+               memory_maps: Callable[[], tuple[int, int] | None] = program_maps.memory_maps):
     if cfg.sampling is not None:
       raise ValueError("The live engine takes each request's sampling: set"
                        " OnlineConfig.sampling to None.")
@@ -102,6 +104,8 @@ class LiveEngine:
         # Requests in flight at that save died with their connections.
         self._free_slots(np.ones(live.num_slots, bool))
     self._state = online.place_state(self._state, mesh)
+    # Before any program compiles: the programs it will hold must fit.
+    self.plan = self._plan(memory_maps())
     self._commands: queue.Queue = queue.Queue()
     self._pending: collections.deque[LiveRequest] = collections.deque()
     self._owner: list[LiveRequest | None] = [None] * live.num_slots
@@ -179,18 +183,55 @@ class LiveEngine:
 
   # Engine thread ---------------------------------------------------------
 
-  def _warm_up(self) -> None:
+  def _widths(self) -> list[int]:
+    """The prompt widths a request may need: a request that asks for few
+    tokens may bring a prompt of all but k + 1 of the slot's positions."""
     cfg = self.cfg
-    driver.warm_up(self._step, self._target_params, self._state,
-                   range(1, cfg.cache_size + 1), self.mesh)
-    # warm_up covers prompts that fit with cfg.max_new_tokens; a request that
-    # asks for fewer may bring a longer prompt, in a wider bucket.
-    longest = cfg.cache_size - cfg.k - 1
-    widths = {slot_lib.prompt_bucket(n, cfg.cache_size) for n in range(1, longest + 1)}
-    widths -= {slot_lib.prompt_bucket(n, cfg.cache_size) for n in range(1, longest + 1)
-               if cfg.fits(n)}
-    for width in sorted(widths):
+    return sorted({slot_lib.prompt_bucket(n, cfg.cache_size)
+                   for n in range(1, cfg.cache_size - cfg.k)})
+
+  def _plan(self, maps: tuple[int, int] | None) -> program_maps.Plan:
+    """The serve programs this engine may call, as many as fit the host's
+    vm.max_map_count (program_maps)."""
+    cfg = self.cfg
+    windows = {cfg.window(n) for n in range(1, cfg.cache_size + 1)}
+    batches = slot_lib.batch_buckets(self.live.num_slots // self.mesh.size)
+    learner = objectives.learnable(self.draft.drafter)
+    draft_layers = getattr(getattr(learner, "config", None), "num_layers", 0)
+    target_layers = self.target.config.num_layers
+    lengths = (len([n for n in objectives._LENGTHS if n < cfg.sample_len]) + 1  # pylint: disable=protected-access
+               if cfg.learn and learner is not None else 0)
+    plan = program_maps.plan(
+        windows, batches, serve_maps=lambda batch: program_maps.serve_program_maps(
+            batch, target_layers + draft_layers, lengths),
+        inserts=len(self._widths()),
+        maps=maps, flag_hint="lower --cache_size (fewer windows and update"
+        " lengths) or --slots, or pass --nolearn")
+    full = len(windows) * len(batches)
+    if plan.programs < full:
+      print(f"compiling {plan.programs} of {full} serve programs (windows"
+            f" {', '.join(map(str, plan.windows))}; batches"
+            f" {', '.join(map(str, plan.batches))}): all {full} would pass"
+            f" vm.max_map_count = {maps[1]:,} (raise it: {program_maps.RAISE_IT})",
+            flush=True)
+    return plan
+
+  def _warm_up(self) -> None:
+    """Compiles every program a request can call, each run as a no-op."""
+    widths, plan = self._widths(), self.plan
+    bar = progress.bar(len(widths) + plan.programs, "compiling", "programs")
+    for width in widths:
       self._insert_nothing(width)
+      bar.update(1)
+    scratch = jax.tree.map(jnp.copy, self._state)  # serve donates it
+    for window in plan.windows:
+      for batch in plan.batches:
+        scratch, _ = self._step.serve(self._target_params, scratch,
+                                      steps=self.cfg.steps_per_call, window=window,
+                                      batch=batch, may_update=False)
+        bar.update(1)
+    jax.block_until_ready(scratch)
+    bar.close()
     self._free_slots(np.zeros(self.live.num_slots, bool))
 
   def _insert_nothing(self, width: int) -> None:
@@ -321,9 +362,10 @@ class LiveEngine:
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
     occupied = self._occupied()
-    window = self.cfg.window(int(self._lengths[occupied].max()))
+    window = self.plan.window(self.cfg.window(int(self._lengths[occupied].max())))
     # The call's StepOutput is not needed: the state holds the update counts.
-    batch = slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size)
+    batch = self.plan.batch(slot_lib.occupied_batch(
+        occupied, self.live.num_slots // self.mesh.size))
     start = _busy_clock()
     self._state, _ = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,

@@ -1,0 +1,103 @@
+"""The programs a server compiles fit the host's vm.max_map_count, or it refuses."""
+
+import dataclasses
+import functools
+import queue
+
+import pytest
+
+from osd_jax.decoding.engine import Engine
+from osd_jax.serving import live, online, program_maps
+from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams, Tokens
+from tests.test_online import MAIN, QUERIES, prompt_ids, tiny_pair
+
+WINDOWS, BATCHES = (64, 128, 256, 512, 1024), (1, 2, 4, 8)
+
+
+def _plan(limit: int, held: int = 1000, serve_maps=lambda batch: 5000):
+  return program_maps.plan(WINDOWS, BATCHES, serve_maps=serve_maps, inserts=9,
+                           maps=(held, limit), flag_hint="lower --cache_size")
+
+
+def test_the_limit_and_the_maps_held_are_read_from_the_files(tmp_path):
+  (tmp_path / "limit").write_text("1234\n")
+  (tmp_path / "maps").write_text("a\nb\nc\n")
+  assert program_maps.memory_maps(str(tmp_path / "limit"),
+                                  str(tmp_path / "maps")) == (3, 1234)
+  assert program_maps.memory_maps(str(tmp_path / "none")) is None  # not Linux
+
+
+def test_all_programs_where_they_fit_else_fewer_buckets():
+  assert _plan(1_000_000).programs == 20
+  plan = _plan(65_530)  # 10 x 5,000 + inserts fit in 90% of it, 15 do not
+  assert (plan.windows, plan.batches) == (WINDOWS, (1, 8))
+  assert plan.maps + 1000 <= 0.9 * 65_530
+  assert (plan.window(65), plan.batch(2), plan.batch(1)) == (128, 8, 1)
+  fewer = _plan(40_000)
+  assert fewer.windows == (256, 512, 1024) and fewer.batches == (1, 8)
+  assert _plan(10_000).programs == 1  # the widest window over every slot
+
+
+def test_programs_that_cannot_fit_are_refused_in_one_line():
+  with pytest.raises(program_maps.ProgramsDoNotFit) as refused:
+    _plan(5_000)
+  message = str(refused.value)
+  assert "\n" not in message and "--cache_size" in message
+  assert "vm.max_map_count = 5,000" in message and program_maps.RAISE_IT in message
+
+
+def test_the_real_models_defaults_fit_a_standard_host():
+  """SmolLM2 (30 layers) with the 2-layer draft, learning at cache 1024 (5
+  update lengths), beside what the loaded process held (about 900): every
+  window, at 1 and at 8 slots."""
+  maps = lambda batch: program_maps.serve_program_maps(batch, 32, 5)
+  assert maps(8) >= 5_343 and maps(1) >= 3_660  # the measured figures
+  plan = _plan(65_530, held=900, serve_maps=maps)
+  assert plan.windows == WINDOWS and plan.batches == (1, 8)
+
+
+def _engine(limit: int, **live_fields):
+  target, draft = tiny_pair()
+  cfg = dataclasses.replace(MAIN, sampling=None, learn=False)
+  return target, live.LiveEngine(
+      target, draft, cfg, live.LiveConfig(**live_fields), mesh=online.make_mesh(1),
+      memory_maps=lambda: (1000, limit))
+
+
+def test_the_engine_refuses_before_it_compiles(monkeypatch):
+  def compiled(*args, **kwargs):
+    raise AssertionError("a program was compiled")
+
+  monkeypatch.setattr(online.Step, "serve", compiled)
+  monkeypatch.setattr(live.LiveEngine, "_insert_nothing", compiled)
+  with pytest.raises(program_maps.ProgramsDoNotFit, match="--cache_size"):
+    _engine(limit=2_000)
+
+
+def test_merged_buckets_serve_the_same_greedy_text():
+  """Only the widest window over every slot compiled: requests of every
+  length, at every occupancy, get the target's greedy tokens."""
+  target, engine = _engine(limit=5_500, num_slots=4)
+  assert engine.plan.programs == 1
+  prompts = [list(prompt_ids(q)) for q in QUERIES[:5]]
+  tokens, done = [[] for _ in prompts], queue.Queue()
+
+  def on_event(i, event):
+    if isinstance(event, Tokens):
+      tokens[i].extend(event.ids)
+    elif isinstance(event, Finished):
+      done.put(i)
+
+  engine.start()
+  try:
+    for i, ids in enumerate(prompts):
+      engine.submit(LiveRequest(ids, RequestParams(max_tokens=8),
+                                functools.partial(on_event, i)))
+    for _ in prompts:
+      done.get(timeout=300)
+  finally:
+    engine.stop()
+  window, slots = MAIN.cache_size, 4
+  assert set(engine._step._serve) == {(MAIN.steps_per_call, window, slots)}  # pylint: disable=protected-access
+  reference = Engine(target, k=0, max_new_tokens=8, num_slots=4)
+  assert tokens == [r.token_ids for r in reference.generate_ids(prompts)]
