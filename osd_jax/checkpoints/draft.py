@@ -1,10 +1,12 @@
-"""A draft that shares the target's tokenizer, cut from the target itself."""
+"""A draft that shares the target's tokenizer: cut from the target itself, or
+a pretrained model fitted to the target's vocabulary rows."""
 
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from osd_jax.checkpoints import loading
 from osd_jax.checkpoints.loading import LoadedModel
 
 
@@ -54,3 +56,35 @@ def derive(target: LoadedModel, layers: Sequence[int],
   source = f"derived from {target.source}: layers {layers}" + (
       f", head {len(head_token_ids)} tokens" if head_token_ids else "")
   return LoadedModel(config, params, target.tokenizer, source)
+
+
+def paired(target: LoadedModel, draft: LoadedModel) -> LoadedModel:
+  """`draft` checked against the target's tokenizer and fitted to its rows."""
+  loading.check_pair(target, draft)
+  return fit_vocabulary(draft, target.config.vocab_size)
+
+
+def fit_vocabulary(draft: LoadedModel, vocab_size: int) -> LoadedModel:
+  """The draft over `vocab_size` embedding rows, the target's.
+
+  Models of one tokenizer may pad their tables differently (Qwen2.5-0.5B
+  has 151,936 rows, Qwen2.5-7B 152,064, for 151,665 tokens). The draft then
+  scores only the rows both have: its head is restricted to them, so rows
+  beyond its own table get probability 0 (and zero embeddings), and the rows
+  beyond the target's are dropped. Rejection sampling stays exact: q is
+  whatever the draft proposes from, and the residual covers the rest.
+  """
+  config, params = draft.config, dict(draft.params)
+  if config.vocab_size == vocab_size:
+    return draft
+  shared = min(config.vocab_size, vocab_size)
+  head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+  ids = config.head_token_ids or tuple(range(config.vocab_size))
+  kept = [i for i, token in enumerate(ids) if token < shared]
+  params["lm_head"] = jnp.array(head[:, jnp.asarray(kept)])
+  embed = params["embed"][:shared]
+  params["embed"] = jnp.pad(embed, ((0, vocab_size - shared), (0, 0)))
+  config = config.replace(vocab_size=vocab_size, tie_embeddings=False,
+                          head_token_ids=tuple(ids[i] for i in kept))
+  source = f"{draft.source}, fitted from {draft.config.vocab_size} to {vocab_size} rows"
+  return LoadedModel(config, params, draft.tokenizer, source)

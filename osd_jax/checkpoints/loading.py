@@ -66,11 +66,9 @@ def save_hf(model: LoadedModel, path: str) -> None:
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
-  """Raises unless draft and target share one vocabulary and tokenizer."""
-  if target.config.vocab_size != draft.config.vocab_size:
-    raise layout.CheckpointError(
-        f"Draft vocabulary ({draft.config.vocab_size}, {draft.source}) differs"
-        f" from the target's ({target.config.vocab_size}, {target.source}).")
+  """Raises unless draft and target tokenize alike: the same id for every
+  token both tokenizers have (their embedding rows may differ in number;
+  checkpoints.draft.fit_vocabulary fits them)."""
   if not tokenizers.same_vocabulary(target.tokenizer, draft.tokenizer):
     raise layout.CheckpointError(
         f"Draft tokenizer ({draft.source}) maps tokens to other ids than the"

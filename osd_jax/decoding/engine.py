@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.checkpoints import tokenizer as tokenizers
-from osd_jax.checkpoints.loading import LoadedModel, check_pair
+from osd_jax.checkpoints.loading import LoadedModel
 from osd_jax.decoding import slots, speculative
 from osd_jax.decoding.drafts import Draft, ModelDraft, NoDraft
 from osd_jax.decoding.sampling import Sampling
@@ -69,7 +70,7 @@ def as_draft(target: LoadedModel, draft) -> Draft:
   """A Draft from a LoadedModel (a model draft) or a Draft as it is."""
   if isinstance(draft, Draft):
     return draft
-  check_pair(target, draft)
+  draft = draft_lib.paired(target, draft)
   return Draft(ModelDraft(draft.config), draft.params, draft.source)
 
 
