@@ -194,9 +194,8 @@ def load_draft_model(target: loading.LoadedModel,
     head = (draft_lib.frequent_token_ids(target.tokenizer, DRAFT_HEAD_VOCAB.value)
             if DRAFT_HEAD_VOCAB.value else None)
     return draft_lib.derive(target, [int(i) for i in DRAFT_LAYERS.value], head)
-  draft = loading.load(kind, param_dtype=DTYPE.value, dtype=DTYPE.value)
-  loading.check_pair(target, draft)
-  return draft
+  return draft_lib.paired(
+      target, loading.load(kind, param_dtype=DTYPE.value, dtype=DTYPE.value))
 
 
 def load_draft(target: loading.LoadedModel, kind: str | None = None,
