@@ -232,7 +232,11 @@ def load_draft(target: loading.LoadedModel, kind: str | None = None,
   else:
     model = load_draft_model(target, kind)
     draft = drafts.Draft(drafts.ModelDraft(model.config), model.params, model.source)
-  draft = warm_started(target, draft)
+  # A checkpoint is a pretrained draft already: a serving entry point's
+  # default warm start is for drafts cut from the target.
+  pretrained = kind not in ("derived", "eagle")
+  if not (pretrained and flags.FLAGS[WARM_START.name].using_default_value):
+    draft = warm_started(target, draft)
   stop_before = DRAFT_STOP_BEFORE.value and DRAFT_CONFIDENCE.value > 0.5
   if (DRAFT_STOP_BEFORE.value and not stop_before
       and not flags.FLAGS[DRAFT_STOP_BEFORE.name].using_default_value):

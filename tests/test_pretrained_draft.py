@@ -199,3 +199,29 @@ def test_a_wrong_rule_with_a_draft_of_other_rows_fails_the_bound(monkeypatch):
   samples, _ = harness.sample(target, ModelDraft(fitted.config), fitted.params, 2,
                               sampling)
   assert harness.empirical_tv(samples, p) > harness.tv_bound(p)
+
+
+# --- entry points -------------------------------------------------------------
+
+
+def test_a_checkpoint_draft_is_warm_started_only_when_asked(target, monkeypatch):
+  """A serving entry point's default warm start (chat) is for drafts cut from
+  the target; a pretrained checkpoint is served as it is unless asked."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl.testing import flagsaver  # pylint: disable=import-outside-toplevel
+  from experiments import model_flags  # pylint: disable=import-outside-toplevel
+  started = []
+  monkeypatch.setattr(model_flags, "warm_started",
+                      lambda t, d: started.append(d.source) or d)
+  path = os.path.join(FIXTURES, "qwen2_draft")
+  name = model_flags.WARM_START.name
+  with flagsaver.flagsaver(draft=path, hybrid=False):
+    flags.FLAGS.set_default(name, "chat")  # as serving entry points set it
+    try:
+      draft = model_flags.load_draft(target)
+      assert not started and draft.drafter.config.vocab_size == 376
+      with flagsaver.flagsaver(**{name: "chat"}):  # given on the command line
+        model_flags.load_draft(target)
+      assert len(started) == 1
+    finally:
+      flags.FLAGS.set_default(name, "none")
