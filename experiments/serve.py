@@ -13,15 +13,13 @@ README's "Serving" section.
 """
 
 import dataclasses
-import os
 import signal
 import socket
 
 from absl import app
-import jax
 import uvicorn
 
-from experiments import cli, model_flags, serve_flags as sf
+from experiments import cli, compilation_cache, model_flags, serve_flags as sf
 from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.serving import online
 from osd_jax.serving.api.app import make_app
@@ -59,9 +57,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def main(argv):
   del argv
-  if sf.COMPILATION_CACHE.value:
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.expanduser(sf.COMPILATION_CACHE.value))
+  compilation_cache.enable(compilation_cache.directory(
+      sf.COMPILATION_CACHE.value, not sf.COMPILATION_CACHE.present))
   if sf.RESUME.value and not sf.CHECKPOINT_DIR.value:
     raise app.UsageError("--resume needs --checkpoint_dir.")
   sock = _listening_socket(sf.HOST.value, sf.PORT.value)
@@ -90,7 +87,6 @@ def main(argv):
   engine = LiveEngine(target, draft, cfg, live, mesh=mesh, checkpointer=checkpointer)
   if engine.resumed_from is not None:
     print(f"resumed from checkpoint {engine.resumed_from}", flush=True)
-  engine.start(warm_up=sf.WARM_UP.value)
   name = sf.MODEL_NAME.value or model_flags.TARGET.value
   limits = Limits(model=name, tokenizer=target.tokenizer,
                   vocab_size=target.config.vocab_size, problem=engine.problem,
@@ -101,9 +97,14 @@ def main(argv):
                                   access_log=False,
                                   timeout_graceful_shutdown=sf.DRAIN_S.value), engine)
   engine.on_failure = lambda message: setattr(server, "should_exit", True)
-  print(f"serving {name} at http://{sf.HOST.value}:{sf.PORT.value}/v1 with"
-        f" {live.num_slots} slots, k={cfg.k}, learning"
-        f" {'on' if cfg.learn else 'off'}; draft {draft.source}", flush=True)
+  url = f"http://{sf.HOST.value}:{sf.PORT.value}"
+  engine.on_ready = lambda: print(
+      f"serving {name} at {url}/v1 with {live.num_slots} slots, k={cfg.k},"
+      f" learning {'on' if cfg.learn else 'off'}; draft {draft.source}", flush=True)
+  # The listener answers while the engine compiles: /health says 503 until then.
+  engine.start(warm_up=sf.WARM_UP.value, background=True)
+  print(f"listening at {url}; compiling ({url}/health answers 200 when ready)",
+        flush=True)
   # uvicorn re-raises the signal it handled once it has shut down; with these
   # the process then ends normally, after the engine's checkpoint.
   for sig in (signal.SIGINT, signal.SIGTERM):

@@ -2,7 +2,7 @@
 
 from absl import flags
 
-from experiments import learning_flags, step_flags, verify_flags
+from experiments import compilation_cache, learning_flags, step_flags, verify_flags
 from osd_jax.serving import online
 from osd_jax.serving.live import LiveConfig
 
@@ -39,8 +39,10 @@ WARM_UP = flags.DEFINE_bool(
     "warm_up", True, "Compile every program before listening, so no request"
     " waits on a compile.")
 COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache", "", "Persistent XLA compilation cache directory (e.g."
-    " ~/.cache/osd_jax/xla), so a restart skips the compiles; '' disables.")
+    "compilation_cache", compilation_cache.DEFAULT_ROOT, "Persistent XLA"
+    " compilation cache, so a restart loads the programs instead of compiling"
+    " them; kept in a subfolder per jax version and host CPU. '' turns it off;"
+    " left at its default, $JAX_COMPILATION_CACHE_DIR wins where set.")
 # Learning.
 LEARN = flags.DEFINE_bool("learn", True, "Distil the draft on the traffic; --nolearn"
                           " keeps it frozen.")

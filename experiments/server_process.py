@@ -36,12 +36,14 @@ class ServerProcess:
   """A server child process; its output goes to `log_path`."""
 
   def __init__(self, flags: list[str], log_path: str, port: int | None = None,
-               env: dict[str, str] | None = None):
+               env: dict[str, str | None] | None = None):
+    """`env` adds to (or, with None, removes from) this process's environment."""
     self.port = port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log_path = log_path
-    env = dict(os.environ, **(env or {}),
-               PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = {key: value for key, value in {**os.environ, **(env or {})}.items()
+           if value is not None}
+    env["PYTHONPATH"] = _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     with open(log_path, "w") as log:
       self.process = subprocess.Popen(
           [sys.executable, "-m", "experiments.serve", "--host=127.0.0.1",

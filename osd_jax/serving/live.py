@@ -116,9 +116,11 @@ class LiveEngine:
     self._updates_saved = self._counts[0]
     self._learning = LearningBudget(live.learning_budget if cfg.learn else 0.0)
     self._thread: threading.Thread | None = None
+    self._ready = threading.Event()  # warmed up: requests are taken
     self._accepting = True
     self.failure: str | None = None
     self.on_failure: Callable[[str], None] = lambda message: None
+    self.on_ready: Callable[[], None] = lambda: None
 
   # Any thread ------------------------------------------------------------
 
@@ -145,11 +147,23 @@ class LiveEngine:
                    self.cfg.max_new_tokens), 1)
 
   @property
+  def starting(self) -> bool:
+    """Still compiling its programs (start in the background)."""
+    return self._running() and not self._ready.is_set()
+
+  @property
   def healthy(self) -> bool:
+    """Running and taking requests."""
+    return self._running() and self._ready.is_set()
+
+  def _running(self) -> bool:
     return self.failure is None and self._thread is not None and self._thread.is_alive()
 
   def submit(self, request: LiveRequest) -> None:
     """Queues a checked request; its events come back through request.on_event."""
+    if self._accepting and self.starting:
+      raise EngineUnavailable("The server is starting: it takes requests once its"
+                              " programs are compiled (/health answers 200).")
     if not self._accepting or not self.healthy:
       raise EngineUnavailable(self.failure or "The server is shutting down.")
     self._commands.put(("request", request))
@@ -163,11 +177,16 @@ class LiveEngine:
       self._commands.put(("export", name, future))
     return future
 
-  def start(self, warm_up: bool = True) -> None:
-    """Compiles every program a request can call (unless told not to), then serves."""
-    if warm_up:
-      self._warm_up()
-    self._thread = threading.Thread(target=self._run, name="osd-engine", daemon=True)
+  def start(self, warm_up: bool = True, background: bool = False) -> None:
+    """Compiles every program a request can call (unless told not to), then
+    serves. In the `background` the engine thread compiles them: `starting`
+    until it is done, then `healthy`; on_ready is called then."""
+    if not (warm_up and background):
+      if warm_up:
+        self._warm_up()
+      self._ready.set()  # before the thread: a submit right after start is taken
+    self._thread = threading.Thread(target=self._run, args=(warm_up and background,),
+                                    name="osd-engine", daemon=True)
     self._thread.start()
 
   def drain(self) -> None:
@@ -221,11 +240,15 @@ class LiveEngine:
     widths, plan = self._widths(), self.plan
     bar = progress.bar(len(widths) + plan.programs, "compiling", "programs")
     for width in widths:
+      if not self._accepting:  # stopped while starting: compile no more
+        return
       self._insert_nothing(width)
       bar.update(1)
     scratch = jax.tree.map(jnp.copy, self._state)  # serve donates it
     for window in plan.windows:
       for batch in plan.batches:
+        if not self._accepting:
+          return
         scratch, _ = self._step.serve(self._target_params, scratch,
                                       steps=self.cfg.steps_per_call, window=window,
                                       batch=batch, may_update=False)
@@ -248,8 +271,12 @@ class LiveEngine:
         rows(RowSampling(np.zeros(devices, np.float32), np.zeros(devices, np.int32),
                          np.ones(devices, np.float32)))))
 
-  def _run(self) -> None:
+  def _run(self, warm_up: bool) -> None:
     try:
+      if warm_up:
+        self._warm_up()
+      self._ready.set()
+      self.on_ready()
       while True:
         if not self._take_commands(wait=not (self._pending or self._occupied())):
           break

@@ -126,7 +126,9 @@ def make_app(engine: LiveEngine, limits: Limits) -> Starlette:
     del request
     if engine.healthy:
       return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": engine.failure or "stopped"}, status_code=503)
+    # vLLM's convention: 503 until the engine takes requests.
+    status = "starting" if engine.starting else engine.failure or "stopped"
+    return JSONResponse({"status": status}, status_code=503)
 
   async def metrics(request: Request):
     del request
