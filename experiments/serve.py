@@ -6,8 +6,8 @@
   python -m experiments.serve --checkpoint_dir=outputs/serve/ckpt --resume
   python -m experiments.serve --nolearn          # the draft stays as it is
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics and POST /v1/draft/export. SIGTERM or SIGINT lets in-flight
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health (503
+while the programs compile, then 200), /metrics and POST /v1/draft/export. SIGTERM or SIGINT lets in-flight
 requests finish (up to --drain_s), then checkpoints and exits. See the
 README's "Serving" section.
 """

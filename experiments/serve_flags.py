@@ -36,8 +36,8 @@ TOP_K = flags.DEFINE_integer("top_k", 0, "top_k of requests that name none; 0 = 
                              lower_bound=0)
 SEED = flags.DEFINE_integer("seed", 0, "Draws the seeds of requests that bring none.")
 WARM_UP = flags.DEFINE_bool(
-    "warm_up", True, "Compile every program before listening, so no request"
-    " waits on a compile.")
+    "warm_up", True, "Compile every program before taking requests (/health"
+    " answers 503 meanwhile), so no request waits on a compile.")
 COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", compilation_cache.DEFAULT_ROOT, "Persistent XLA"
     " compilation cache, so a restart loads the programs instead of compiling"
