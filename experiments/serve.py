@@ -17,6 +17,7 @@ import signal
 import socket
 
 from absl import app
+import jax
 import uvicorn
 
 from experiments import cli, compilation_cache, model_flags, serve_flags as sf
@@ -73,6 +74,9 @@ def main(argv):
   if sf.LEARN.value and draft.params == ():
     raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
                          " pass --nolearn.")
+  # The warm start's training programs are not served: dropped, their memory
+  # mappings leave room for the serving programs (LiveEngine's plan).
+  jax.clear_caches()
   mesh = online.make_mesh(cli.device_count(sf.DEVICES.value))
   cfg, live = sf.online_config(), sf.live_config()
   checkpointer = None
