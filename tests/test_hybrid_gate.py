@@ -16,10 +16,15 @@ from tests.test_generation import VOCAB, prompts_of_lengths, tiny_model, with_eo
 MAX_NEW = 40  # enough steps for a closed gate to show
 
 
-def gate(accepted, emitted, age=(9, 9), live=(True, True), own=(True, True)):
+def gate(accepted, emitted, age=(9, 9), live=(True, True), own=(True, True),
+         misses=None):
+  b = len(age)
+  misses = (0,) * b if misses is None else misses
   return Gate(jnp.array(accepted, jnp.float32), jnp.array(emitted, jnp.float32),
               jnp.array(age, jnp.int32), jnp.array(live), jnp.array(own),
-              jnp.zeros((len(age),), bool))
+              jnp.zeros((b,), bool), jnp.array(misses, jnp.int32),
+              jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32),
+              jnp.zeros((b,), jnp.int32))
 
 
 def test_serves_the_missed_rows_while_their_accepted_tokens_outweigh_the_cost():
@@ -50,7 +55,8 @@ def test_a_closed_gate_serves_only_requests_still_exploring():
 
 
 def test_means_move_only_where_measured():
-  g = gate([1.0, 1.0], [1.0, 1.0]).proposed(jnp.array([True, False]))
+  g = gate([1.0, 1.0], [1.0, 1.0]).proposed(jnp.array([True, False]),
+                                            jnp.array([True, False]))
   after = g.after(jnp.array([3, 0]), own=True)
   np.testing.assert_allclose(after.accepted, [1.0 + 0.1 * (2 - 1.0), 1.0])
   np.testing.assert_allclose(after.emitted, [1.0 + 0.1 * (3 - 1.0), 1.0])
@@ -58,6 +64,72 @@ def test_means_move_only_where_measured():
   inserted = after.insert_row(jnp.int32(1))
   assert inserted.age.tolist() == [10, 0] and inserted.live.tolist() == [True, True]
   np.testing.assert_allclose(inserted.accepted, after.accepted)  # the slot's
+
+
+def run_gate(draft_accepts: bool, steps: int, explore_every: int, k: int = 3,
+             cost: float = 0.3, estimate_at: int | None = None):
+  """One row of a closed gate on a stream where lookup always misses: the
+  steps the draft proposed on. A draft that `draft_accepts` gets all k
+  tokens accepted (k + 1 kept), else none (1 kept). `estimate_at`: the step
+  before which an update's estimate of that draft comes in."""
+  g = gate([0.0], [1.0], age=(9,), live=(True,), own=(True,))
+  missed = jnp.array([True])
+  served = []
+  for step in range(steps):
+    if step == estimate_at:
+      g = g.reestimated(jnp.float32(k if draft_accepts else 0.0))
+    ran = g.serves(missed, cost, explore_every)
+    g = g.proposed(ran, missed)
+    kept = k + 1 if (draft_accepts and bool(ran[0])) else 1
+    g = g.after(jnp.array([kept]), own=True)
+    if bool(ran[0]):
+      served.append(step)
+  return served
+
+
+@pytest.mark.parametrize("every", [1, 4, 8])
+def test_a_closed_gate_explores_every_nth_miss_step(every):
+  """Exploring is a fixed schedule of the row's lookup misses: the first,
+  then every n-th (only past steps and this step's lookup decide)."""
+  assert run_gate(False, 24, every) == list(range(0, 24, every))
+  g = gate([0.0], [1.0], age=(9,), live=(True,), own=(True,), misses=(every,))
+  assert g.serves(jnp.array([False]), 0.3, every).tolist() == [False]  # a lookup hit
+  g = g.proposed(jnp.array([False]), jnp.array([False]))
+  assert int(g.misses[0]) == every  # hits do not count
+
+
+def test_a_draft_that_improves_gets_proposals_again_within_n_steps():
+  """Closed on a useless draft, without exploring it never proposes again;
+  exploring every 4th miss it proposes within 4 steps of improving, and an
+  update's estimate reopens it at once."""
+  assert run_gate(True, 40, explore_every=0) == []  # today's gate: shut for good
+  served = run_gate(True, 40, explore_every=4)
+  assert served[0] < 4
+  # Measured proposals raise the mean until the gate stays open.
+  assert served[-12:] == list(range(28, 40))
+  reopened = run_gate(True, 40, explore_every=0, estimate_at=10)
+  assert reopened == list(range(10, 40))
+
+
+def test_a_useless_draft_stays_closed():
+  """It proposes on the exploring steps only: a share 1/n of the misses."""
+  for every in (2, 5):
+    assert len(run_gate(False, 100, every)) == 100 // every
+  # An estimate of a useless draft does not open it either.
+  assert run_gate(False, 30, 0, estimate_at=5) == []
+
+
+def test_an_estimate_blends_into_the_rows_of_its_draft_only():
+  g = gate([1.0, 1.0], [1.0, 1.0], own=(True, False)).reestimated(jnp.float32(3.0))
+  np.testing.assert_allclose(g.accepted, [2.0, 1.0])
+  same = g.reestimated(jnp.float32(jnp.nan))
+  np.testing.assert_allclose(same.accepted, g.accepted)
+
+
+def test_a_negative_exploring_period_is_refused():
+  with pytest.raises(ValueError, match="every n-th"):
+    HybridDraft(ModelDraft(test_online.tiny_pair()[1].drafter.config),
+                NGramDraft(VOCAB), 0.3, explore_every=-1)
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,9 @@ def _fake_clock(monkeypatch, module, name: str):
 
 def _stream_with_clock(monkeypatch, budget: float) -> dict:
   _fake_clock(monkeypatch, driver, "_host_seconds")
-  return serve_stream(QUERIES[:24], dataclasses.replace(MAIN, update_interval=2),
+  # A ring (no clear): exactly one update per 2 requests, however they finish.
+  return serve_stream(QUERIES[:24], dataclasses.replace(MAIN, update_interval=2,
+                                                        clear_after_update=False),
                       devices=1, num_slots=2, learning_budget=budget)
 
 
@@ -117,7 +119,8 @@ def _live_updates(monkeypatch, budget: float) -> int:
   """Updates of the live engine over 24 requests, its clock a _fake_clock."""
   _fake_clock(monkeypatch, live, "_busy_clock")
   target, draft = tiny_pair()
-  cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2)
+  cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2,
+                            clear_after_update=False)
   engine = live.LiveEngine(target, draft, cfg,
                            live.LiveConfig(num_slots=2, learning_budget=budget),
                            mesh=online.make_mesh(1))

@@ -127,7 +127,7 @@ class Counter:
 
 
 _SNAPSHOT = ("draft_params", "opt_state", "buffer", "since_update", "num_updates",
-             "num_skipped")
+             "num_skipped", "replay_key", "last_acceptance")
 
 
 class Tap:
@@ -398,13 +398,12 @@ def test_no_recompilation_as_the_stream_goes_on(single, multi):
     assert {p for p in names if p[0] == "insert"} == {("insert", 64), ("insert", 96)}
     serves = {p[1:] for p in names if p[0] == "serve"}
     assert {window for window, _ in serves} == {64, 128}
-    # The stream ends with fewer requests than slots: calls over fewer slots
-    # (on one device; over eight, two slots each, whether a device is left
-    # with one busy slot depends on where the last requests landed).
+    # Whether the stream's last calls run over fewer slots depends on where
+    # its last requests landed (the draft's updates change when each one
+    # ends): the programs differ by window at least.
     batches = {batch for _, batch in serves}
     assert set(slot_lib.batch_buckets(slots_per_device)) >= batches
     assert slots_per_device in batches
-    assert len(batches) >= 2 or run is multi
     assert len(programs) >= 16  # a long stream: many calls per program
     seen, traces, compiles = set(), 0, 0
     for program, t, c in programs:

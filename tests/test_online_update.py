@@ -126,7 +126,7 @@ def served_buffer(params, prompts_NxP, lens_N, rng, sampling, draft_params=None,
   state, records = slot_lib.decode_loop(
       step, state, Records.empty(N, MAX_LEN, VOCAB, 0), GEN_LEN)
   rows = record_samples(records, state, max_len=MAX_LEN, gen_len=GEN_LEN,
-                        corrected_only=False)
+                        weighting="all")
   prompts = state.draft if keep_prompts else None
   return Buffer.empty(N, MAX_LEN, GEN_LEN, VOCAB, prompt_cache=prompts).add(
       *rows[:5], jnp.zeros(N, jnp.int32), jnp.ones(N, bool), prompt_cache=prompts)

@@ -3,7 +3,8 @@
 import json
 import math
 
-from osd_jax.serving.report import acceptance_by_position, read_jsonl, speed_summary
+from osd_jax.serving.report import (acceptance_by_position, learning_cost, learning_lines,
+                                   read_jsonl, speed_summary)
 
 
 def record(served, reached, accepted, domain="math"):
@@ -37,3 +38,21 @@ def test_a_request_served_again_after_a_resume_counts_once(tmp_path):
   records = read_jsonl(str(path))
   assert [r["request"] for r in records] == [1, 2, 3, 4]
   assert records[2]["alpha"] == 0.2
+
+
+def test_each_segment_says_what_the_learned_draft_proposed_and_got_accepted():
+  records = [dict(record(i, [2], [1], domain), proposed=10, draft_proposed=d,
+                  draft_accepted=a)
+             for i, domain, d, a in ((1, "math", 4, 1), (2, "math", 0, 0),
+                                     (3, "sql", 6, 5))]
+  math_seg, sql_seg = speed_summary(records, tail=4)["segments"]
+  assert (math_seg["draft_proposed"], math_seg["draft_accepted"]) == (4, 1)
+  assert math_seg["draft_share"] == 4 / 20
+  assert (sql_seg["draft_proposed"], sql_seg["draft_accepted"]) == (6, 5)
+  plain = speed_summary([record(1, [2], [1])], tail=4)["segments"][0]
+  assert "draft_proposed" not in plain  # no gated hybrid: nothing to say
+  summary = {"run": "online", "segments": [math_seg, sql_seg],
+             **learning_cost([dict(r, updates=1, update_s=0.5) for r in records])}
+  text = learning_lines([summary])
+  assert "math 4 proposed, 1 accepted (20% of proposals)" in text
+  assert "3 updates, 1.5 s, 50.0% of serving time" in text  # last finish at 3 s

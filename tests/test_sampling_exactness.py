@@ -290,6 +290,23 @@ def test_a_gated_hybrid_stays_exact(target, draft, monkeypatch):
   assert empirical_tv(samples, p) < tv_bound(p)
 
 
+def test_a_gated_hybrid_exploring_lookup_misses_stays_exact(target, draft,
+                                                            monkeypatch):
+  """Exploring every lookup miss (a schedule of past lookups), the closed
+  gate still serves a row's second step: what is drawn changes, p holds."""
+  monkeypatch.setattr(gate, "EXPLORE_STEPS", 0)
+  sampling, k = SETTINGS[2]
+  p = exact_distribution(target, sampling)
+  closed = HybridDraft(ModelDraft(draft.config), NGramDraft(V), draft_cost=0.9)
+  exploring = HybridDraft(ModelDraft(draft.config), NGramDraft(V), draft_cost=0.9,
+                          explore_every=1)
+  samples, metrics = sample(target, exploring, draft.params, k, sampling)
+  without, fewer = sample(target, closed, draft.params, k, sampling)
+  assert metrics.proposed > fewer.proposed  # it explored where the gate was shut
+  assert not np.array_equal(samples, without)
+  assert empirical_tv(samples, p) < tv_bound(p)
+
+
 # --- wrong rules must fail the same test -------------------------------------
 
 

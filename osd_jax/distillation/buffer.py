@@ -15,7 +15,7 @@ class Buffer:
   for those alone. A feature draft also needs the target's hidden state at
   every position, kept in bfloat16 (its inputs are normed, so bfloat16's 8
   mantissa bits lose little). Memory per sample: 4 max_len + gen_len (4 + 8
-  teacher_k) + 2 max_len hidden_dim + 9 bytes; e.g. max_len 192, gen_len 64,
+  teacher_k) + 2 max_len hidden_dim + 13 bytes; e.g. max_len 192, gen_len 64,
   top-32, no hidden states: 17.4 KB; with SmolLM2's 576-wide states, +221 KB.
   Keeping prompts' keys and values (`prompt_k`) adds 2 max_len x layers x
   kv_heads x head_dim values of the draft's cache: 1.57 MB at max_len 512
@@ -32,9 +32,15 @@ class Buffer:
   # Target hidden state at each position (its feature), for feature drafts.
   hidden: jax.Array  # [capacity, max_len, hidden_dim] bfloat16; hidden_dim 0: none
   category: jax.Array  # [capacity] int32
+  # The sample's request, as random bits of its sampling key: the same on
+  # any device layout, so replay's minibatch draws (objectives.replay) are too.
+  uid: jax.Array  # [capacity] uint32
   is_valid: jax.Array  # [capacity] bool
   next_slot: jax.Array  # [] int32, where the next sample goes
   num_added: jax.Array  # [] int32, samples added since the buffer was made
+  # Samples added since the last update (`trained`): an add that would
+  # overwrite them waits for an update first (serving/online.py).
+  num_fresh: jax.Array  # [] int32
   # The model draft's keys and values of each sample's prompt, as serving's
   # prefill left them in its cache (per layer, [capacity, kv_heads,
   # head_dim, max_len] and [capacity, kv_heads, max_len, head_dim]): the
@@ -64,9 +70,11 @@ class Buffer:
         teacher_probs=jnp.zeros((capacity, gen_len, teacher_k), jnp.float32),
         hidden=jnp.zeros((capacity, max_len, hidden_dim), jnp.bfloat16),
         category=jnp.zeros((capacity,), jnp.int32),
+        uid=jnp.zeros((capacity,), jnp.uint32),
         is_valid=jnp.zeros((capacity,), bool),
         next_slot=jnp.zeros((), jnp.int32),
-        num_added=jnp.zeros((), jnp.int32))
+        num_added=jnp.zeros((), jnp.int32),
+        num_fresh=jnp.zeros((), jnp.int32))
 
   @property
   def capacity(self) -> int:
@@ -97,22 +105,32 @@ class Buffer:
         v=tuple(pad(v, 2).reshape(n * heads, size, -1) for v in self.prompt_v),
         lengths=self.gen_start)
 
+  def room(self) -> jax.Array:
+    """[] samples an add may write without overwriting any not yet trained on."""
+    return self.capacity - self.num_fresh
+
   def add(self, tokens_BxL, gen_start_B, loss_weight_BxG, teacher_ids_BxGxK,
           teacher_probs_BxGxK, category_B, is_new_B,
-          hidden_BxLxD=None, prompt_cache: KVCache | None = None) -> "Buffer":
+          hidden_BxLxD=None, prompt_cache: KVCache | None = None,
+          uid_B=None) -> "Buffer":
     """Writes the rows with is_new into consecutive slots, oldest overwritten.
 
+    Of more new rows than the ring holds only the last `capacity` are
+    written: a scatter of several rows to one slot keeps an unspecified one.
     `prompt_cache` is the draft's cache of the same B rows, when the buffer
     keeps prompts (positions past max_len are not kept).
     """
     order = jnp.cumsum(is_new_B) - 1
-    slots = jnp.where(is_new_B, (self.next_slot + order) % self.capacity,
+    added = is_new_B.sum().astype(jnp.int32)
+    written = is_new_B & (order >= added - self.capacity)
+    slots = jnp.where(written, (self.next_slot + order) % self.capacity,
                       self.capacity)  # out of range: dropped by mode="drop"
 
     def put(store, rows):
       return store.at[slots].set(rows.astype(store.dtype), mode="drop")
 
-    added = is_new_B.sum().astype(jnp.int32)
+    if uid_B is None:
+      uid_B = jnp.zeros(is_new_B.shape, jnp.uint32)
     return self.replace(
         tokens=put(self.tokens, tokens_BxL),
         gen_start=put(self.gen_start, gen_start_B),
@@ -124,9 +142,11 @@ class Buffer:
         prompt_k=self._put_cache(put, prompt_cache, keys=True),
         prompt_v=self._put_cache(put, prompt_cache, keys=False),
         category=put(self.category, category_B),
+        uid=put(self.uid, uid_B),
         is_valid=put(self.is_valid, jnp.ones_like(is_new_B)),
         next_slot=(self.next_slot + added) % self.capacity,
-        num_added=self.num_added + added)
+        num_added=self.num_added + added,
+        num_fresh=jnp.minimum(self.num_fresh + added, self.capacity))
 
   def needed_length(self) -> jax.Array:
     """[] positions that hold every valid sample up to its last weighted token."""
@@ -157,6 +177,23 @@ class Buffer:
                         prompt_k=tuple(k[..., :length] for k in self.prompt_k),
                         prompt_v=tuple(v[:, :, :length] for v in self.prompt_v))
 
+  def taken(self, rows_M: jax.Array, is_chosen_M: jax.Array) -> "Buffer":
+    """The samples in `rows` as a buffer of M; those not chosen are invalid."""
+    take = lambda x: x[rows_M]
+    return self.replace(
+        tokens=take(self.tokens), gen_start=take(self.gen_start),
+        loss_weight=take(self.loss_weight), teacher_ids=take(self.teacher_ids),
+        teacher_probs=take(self.teacher_probs), hidden=take(self.hidden),
+        category=take(self.category), uid=take(self.uid),
+        is_valid=take(self.is_valid) & is_chosen_M,
+        prompt_k=tuple(map(take, self.prompt_k)),
+        prompt_v=tuple(map(take, self.prompt_v)))
+
+  def trained(self) -> "Buffer":
+    """The same samples, every one of them now trained on."""
+    return self.replace(num_fresh=jnp.zeros_like(self.num_fresh))
+
   def cleared(self) -> "Buffer":
     """All slots invalid (the paper clears the buffer after each update)."""
-    return self.replace(is_valid=jnp.zeros_like(self.is_valid))
+    return self.replace(is_valid=jnp.zeros_like(self.is_valid),
+                        num_fresh=jnp.zeros_like(self.num_fresh))

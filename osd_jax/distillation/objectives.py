@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from osd_jax.decoding.drafts import FeatureDraft, HybridDraft, ModelDraft
-from osd_jax.distillation import losses, teacher, update
+from osd_jax.distillation import losses, replay, teacher, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models import eagle
 from osd_jax.models.config import LlamaConfig
@@ -113,12 +113,17 @@ _LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 def distill(drafter, target_params, target_config: LlamaConfig, params, opt_state,
             buffer: Buffer, cfg: update.DistillConfig, *, steps: int = 1,
+            minibatch: int = 0, key: jax.Array | None = None,
             axis_name: str | None = None):
-  """`steps` full-buffer optimizer steps: (params, opt_state, first loss, skipped steps).
+  """`steps` optimizer steps: (params, opt_state, first loss, skipped steps).
 
-  The teacher is built once and reused by every step. Each step skips
-  itself (params and optimizer state untouched) if anything is non-finite.
+  minibatch 0: every step over the whole buffer, its teacher built once.
+  Otherwise each step over `minibatch` samples drawn from it with `key`
+  (replay.py). Each step skips itself (params and optimizer state
+  untouched) if anything is non-finite.
   """
+  if minibatch and key is None:
+    raise ValueError("Minibatch replay draws with a key: pass one.")
   size = buffer.tokens.shape[1]
   lengths = [n for n in _LENGTHS if n < size] + [size]
   need = buffer.needed_length()
@@ -127,18 +132,25 @@ def distill(drafter, target_params, target_config: LlamaConfig, params, opt_stat
   branch = jnp.searchsorted(jnp.asarray(lengths), need)
   run = lambda n: functools.partial(
       _distill, drafter, target_params, target_config, buffer=buffer.truncated(n),
-      cfg=cfg, steps=steps, axis_name=axis_name)
+      cfg=cfg, steps=steps, minibatch=minibatch, key=key, axis_name=axis_name)
   return jax.lax.switch(branch, [run(n) for n in lengths], params, opt_state)
 
 
 def _distill(drafter, target_params, target_config, params, opt_state, *, buffer,
-             cfg, steps, axis_name):
-  p = update.teacher_probs(target_params, target_config, buffer, support(drafter))
+             cfg, steps, axis_name, minibatch=0, key=None):
+  full = None
+  if not minibatch:
+    full = update.teacher_probs(target_params, target_config, buffer, support(drafter))
 
-  def one(carry, _):
+  def one(carry, step):
     params, opt_state = carry
+    if minibatch:
+      batch = replay.draw(buffer, replay.step_key(key, step), minibatch, axis_name)
+      p = update.teacher_probs(target_params, target_config, batch, support(drafter))
+    else:
+      batch, p = buffer, full
     objective = functools.partial(loss_sum, drafter, target_params=target_params,
-                                  buffer=buffer, p_NxGxV=p, cfg=cfg)
+                                  buffer=batch, p_NxGxV=p, cfg=cfg)
     (total_loss, weight), grads = update.value_and_trained_grads(objective, params, cfg)
     if axis_name is not None:
       total_loss, weight, grads = jax.lax.psum((total_loss, weight, grads), axis_name)
@@ -150,5 +162,21 @@ def _distill(drafter, target_params, target_config, params, opt_state, *, buffer
     return (params, opt_state), (loss, applied)
 
   (params, opt_state), (losses, applied) = jax.lax.scan(
-      one, (params, opt_state), None, length=steps)
+      one, (params, opt_state), jnp.arange(steps))
   return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
+
+
+def expected_acceptance(drafter, target_params, target_config: LlamaConfig, params,
+                        buffer: Buffer, *, greedy: bool,
+                        axis_name: str | None = None) -> jax.Array:
+  """[] the draft's mean acceptance at the buffer's weighted positions
+  (update.acceptance_sum), over all devices; NaN for a draft that is not a
+  model draft, or where nothing weighs."""
+  learner = learnable(drafter)
+  if not isinstance(learner, ModelDraft):
+    return jnp.float32(jnp.nan)
+  p = update.teacher_probs(target_params, target_config, buffer, support(drafter))
+  total, weight = update.acceptance_sum(params, learner.config, buffer, p, greedy)
+  if axis_name is not None:
+    total, weight = jax.lax.psum((total, weight), axis_name)
+  return jnp.where(weight > 0, total / jnp.maximum(weight, 1e-9), jnp.nan)

@@ -229,6 +229,26 @@ def weighted_loss_sum(draft_params, draft_config: LlamaConfig, buffer: Buffer,
   return (per_position * weight).sum(), weight.sum()
 
 
+def acceptance_sum(draft_params, draft_config: LlamaConfig, buffer: Buffer,
+                   p_NxGxV: jax.Array, greedy: bool) -> tuple[jax.Array, jax.Array]:
+  """(sum over weighted positions of the draft's acceptance there, total weight).
+
+  Acceptance at a position is sum_v min(p, q), the chance that a token drawn
+  from q survives rejection sampling against p; greedy serving accepts
+  exactly where the two argmaxes agree.
+  """
+  hidden = _student_hidden(draft_params, draft_config, buffer, False)
+  weight = buffer.loss_weight * buffer.is_valid[:, None]
+  q = jax.nn.softmax(llama.head_logits(draft_params, draft_config, hidden), axis=-1)
+  p = teacher.on_support(p_NxGxV, draft_config.head_token_ids)
+  if greedy:
+    accept = (jnp.argmax(p, -1) == jnp.argmax(q, -1)).astype(jnp.float32)
+  else:
+    accept = jnp.minimum(p, q).sum(-1)
+  accept = jnp.where(weight > 0, accept, 0.0)  # a stale NaN weighs nothing
+  return (accept * weight).sum(), weight.sum()
+
+
 def loss_fn(draft_params, draft_config: LlamaConfig, buffer: Buffer,
             p_NxGxV: jax.Array, cfg: DistillConfig) -> tuple[jax.Array, jax.Array]:
   """(weighted mean divergence over valid samples, total weight)."""

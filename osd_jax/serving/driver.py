@@ -358,6 +358,9 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
     if not finished:
       return []
     metrics = distributed.gather(state.slots.metrics)
+    drafted = online.learned_draft_counts(state.slots)
+    if drafted is not None:
+      drafted = distributed.gather(drafted)
     records = []
     for s in finished:
       index = host.owner[s]
@@ -368,6 +371,9 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                               int(lengths[s] + 1 - prompt_lens[s]), int(prompt_lens[s]))
       record.update(reached_by_position=metrics.reached_by_position[s].tolist(),
                     accepted_by_position=metrics.accepted_by_position[s].tolist())
+      if drafted is not None:  # of which the gated hybrid's learned draft
+        record.update(draft_proposed=int(drafted[0][s]),
+                      draft_accepted=int(drafted[1][s]))
       decoding, first = first_token.pop(index, (call_start, now))
       record.update(served=host.served, draft=route(index), call=host.calls,
                     queue_s=admitted.pop(index, start_time) - start_time,

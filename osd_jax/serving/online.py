@@ -23,14 +23,16 @@ from jax.sharding import PartitionSpec as P
 from osd_jax.decoding import slots as slot_lib
 from osd_jax.decoding import speculative
 from osd_jax.decoding.drafts import MultiDraft
+from osd_jax.decoding.drafts.gate import Gate
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.speculative import SpecState
-from osd_jax.distillation import objectives, samples, update
+from osd_jax.distillation import samples, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
-from osd_jax.serving import distributed
-from osd_jax.serving.records import Records, samples as record_samples
+from osd_jax.serving import distributed, learning
+from osd_jax.serving.learning import StepOutput
+from osd_jax.serving.records import WEIGHTINGS, Records
 from osd_jax.when import when
 
 AXIS = "data"
@@ -48,11 +50,17 @@ class OnlineConfig:
   steps_per_call: int = 8  # speculative steps between host refills
   learn: bool = True  # False: the draft stays as it is, nothing is buffered
   update_interval: int = 8  # I: finished requests between updates, per draft
-  update_steps: int = 1  # optimizer steps per update, each over the whole buffer
+  update_steps: int = 1  # optimizer steps per update
+  # Samples per optimizer step, drawn from the ring anew each step (replay.py);
+  # 0: every step over the whole buffer (as published).
+  minibatch: int = 0
   buffer_capacity: int = 8  # samples per device and draft
   clear_after_update: bool = True  # as published; False keeps a ring
   teacher_k: int = 32  # 0: recompute the teacher with a target forward
-  loss_weighting: str = "corrected"  # or "all" generated positions
+  # Which generated positions carry the loss (records.WEIGHTINGS): corrected
+  # or bonus tokens (as published), all, or those emitted where the hybrid's
+  # lookup proposed nothing, the ones its learned draft is called on.
+  loss_weighting: str = "corrected"
   sample_source: str = "served"
   source_mix: float = 0.5  # target share for the mixed sources
   num_drafts: int = 1
@@ -68,14 +76,20 @@ class OnlineConfig:
   # (Buffer.prompt_k; per sample 2 x layers x kv_heads x head_dim x
   # sample_len values of the draft's cache dtype).
   keep_prompt_cache: bool = True
+  # After each update, a gated hybrid's gate takes the new draft's acceptance
+  # on what the update trained on (drafts/gate.py, Gate.reestimated).
+  reestimate_gate: bool = True
   distill: update.DistillConfig = update.DistillConfig()
 
   def __post_init__(self):
     if self.k < 0:
       raise ValueError(f"k must be >= 0, got {self.k}.")
-    if self.loss_weighting not in ("corrected", "all"):
-      raise ValueError(f"loss_weighting must be corrected|all, got"
+    if self.loss_weighting not in WEIGHTINGS:
+      raise ValueError(f"loss_weighting must be one of {WEIGHTINGS}, got"
                        f" {self.loss_weighting!r}.")
+    if self.minibatch < 0:
+      raise ValueError(f"minibatch must be >= 0 (0: the whole buffer), got"
+                       f" {self.minibatch}.")
     if self.sample_source not in samples.SOURCES:
       raise ValueError(f"sample_source must be one of {samples.SOURCES}.")
     if min(self.update_interval, self.buffer_capacity, self.update_steps,
@@ -128,33 +142,18 @@ class OnlineState:
   slots: SpecState  # [slots, ...] split over devices
   records: Records  # [slots, ...] split over devices
   rng: jax.Array  # [devices] keys (for draft-sourced samples)
+  replay_key: jax.Array  # [num_drafts] keys of the minibatch draws, replicated
   since_update: jax.Array  # [num_drafts] finished requests since the last update
   num_updates: jax.Array  # [num_drafts]
   num_skipped: jax.Array  # [num_drafts] optimizer steps skipped (non-finite)
   last_loss: jax.Array  # [num_drafts] loss at the latest update (NaN: none yet)
-
-
-@flax.struct.dataclass
-class StepOutput:
-  """What one serve call did besides decoding (per draft)."""
-
-  did_update: jax.Array  # [num_drafts] bool
-  loss: jax.Array  # [num_drafts] meaningful only where did_update
-  skipped: jax.Array  # [num_drafts] optimizer steps skipped in this call
+  # The latest update's draft's acceptance on what it trained on (NaN: none).
+  last_acceptance: jax.Array  # [num_drafts] float32
 
 
 def multi(drafter, cfg: OnlineConfig) -> MultiDraft:
   """The loop's drafter: `num_drafts` copies of `drafter`, routed per slot."""
   return MultiDraft(drafter, cfg.num_drafts)
-
-
-def _kept_prompts(cfg: OnlineConfig, drafter, draft_state):
-  """The draft cache whose prompt keys/values the buffer keeps (Buffer.prompt_k),
-  or None: not asked for, not learning, trained through the prompt, or not a
-  model draft (objectives.served_cache)."""
-  if not (cfg.learn and cfg.keep_prompt_cache) or cfg.distill.prompt_gradient:
-    return None
-  return objectives.served_cache(drafter, draft_state)
 
 
 def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineConfig,
@@ -170,18 +169,25 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
   slots = speculative.empty_state(target_config, multi(drafter, cfg),
                                   batch_size=num_slots, cache_size=cfg.cache_size,
                                   k=cfg.k)
-  prompt_cache = _kept_prompts(cfg, drafter, slots.draft[0])
+  prompt_cache = learning.kept_prompts(cfg, drafter, slots.draft[0])
   one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
                      cfg.teacher_k, hidden_dim, prompt_cache)
   buffer = jax.tree.map(
       lambda x: jnp.broadcast_to(x, (num_devices, cfg.num_drafts) + x.shape).copy(),
       one)
   records = Records.empty(num_slots, cfg.cache_size, cfg.teacher_k, hidden_dim)
+  if (cfg.learn and cfg.loss_weighting == "lookup_missed"
+      and not learning.reports_misses(drafter)):
+    raise ValueError("loss_weighting lookup_missed needs a gated hybrid draft"
+                     " (its lookup says where it missed).")
   counters = lambda dtype: jnp.zeros((cfg.num_drafts,), dtype)  # distinct buffers
+  nan = jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32)
+  serve_key, replay_key = jax.random.split(jax.random.key(seed))
   return OnlineState(params, opt_state, buffer, slots, records,
-                     jax.random.split(jax.random.key(seed), num_devices),
+                     jax.random.split(serve_key, num_devices),
+                     jax.random.split(replay_key, cfg.num_drafts),
                      counters(jnp.int32), counters(jnp.int32), counters(jnp.int32),
-                     jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32))
+                     nan, nan)
 
 
 def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1,
@@ -203,105 +209,10 @@ def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1
         budget_1[0], slot, key_1[0], route_1[0], sampling_1, cfg=slot_cfg)
     records = state.records
     if cfg.learn:
-      records = records.with_prompt(slot, hidden)
+      records = records.with_prompt(slot, hidden, key_1[0])
     return state.replace(slots=slots, records=records)
 
   return when(slot_1[0] >= 0, admit, state)
-
-
-def _student_rows(target_params, draft_params, state: OnlineState, rows, rng,
-                  target_config, drafter, cfg: OnlineConfig):
-  """Rows whose tokens the draft wrote (sample_source draft or mixed)."""
-  tokens, gen_start, weight, ids, probs, hidden = rows
-  base = objectives.learnable(drafter.base)
-  width = cfg.sample_len - cfg.max_new_tokens
-  prompts = tokens[:, :width]
-  lens = state.slots.prompt_lens
-  source_rng, gen_rng = jax.random.split(rng)
-  mix = cfg.source_mix if cfg.sample_source == "mixed_token" else 0.0
-  # The first draft stands in for all when there are several.
-  s_tokens, s_lengths, s_ids, s_probs = samples.student_generate(
-      target_params, draft_params[0], prompts, lens, gen_rng,
-      target_config=target_config, draft_config=base.config, sampling=cfg.sampling,
-      max_new_tokens=cfg.max_new_tokens, teacher_mix=mix, teacher_k=cfg.teacher_k)
-  is_student = jnp.ones(lens.shape, bool)
-  if cfg.sample_source == "mixed_request":
-    is_student = jax.random.uniform(source_rng, lens.shape) >= cfg.source_mix
-  pick = lambda s, t: jnp.where(is_student.reshape((-1,) + (1,) * (s.ndim - 1)), s, t)
-  full = jnp.pad(prompts, ((0, 0), (0, cfg.max_new_tokens)))
-  full = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(
-      row, new, (start,)))(full, s_tokens, lens)
-  # No verification happened on these tokens: every position is weighted.
-  s_weight = (jnp.arange(cfg.max_new_tokens) < s_lengths[:, None]).astype(jnp.float32)
-  return (pick(full, tokens), gen_start, pick(s_weight, weight), pick(s_ids, ids),
-          pick(s_probs, probs), hidden)
-
-
-def _learn(target_params, state: OnlineState, finished, rng, may_update, *,
-           target_config, drafter, cfg: OnlineConfig, axis_name):
-  """Buffers every finished request with its draft; updates drafts whose turn
-  it is, if `may_update` (else they wait: learning_budget)."""
-  slots = state.slots
-  corrected_only = cfg.loss_weighting == "corrected"
-  rows = record_samples(state.records, slots, max_len=cfg.sample_len,
-                        gen_len=cfg.max_new_tokens, corrected_only=corrected_only)
-  if cfg.sample_source != "served":
-    rows = jax.lax.cond(
-        finished.any(),
-        lambda: _student_rows(target_params, drafter.prepare(state.draft_params),
-                              state, rows, rng, target_config, drafter, cfg),
-        lambda: rows)
-  tokens, gen_start, weight, ids, probs, hidden = rows
-  fits = slots.prompt_lens + slots.num_generated <= cfg.sample_len
-  params, opt_state, buffer = state.draft_params, state.opt_state, state.buffer
-  since, updates, skipped, last = (state.since_update, state.num_updates,
-                                   state.num_skipped, state.last_loss)
-  did, losses, skips = [], [], []
-  learner = objectives.learnable(drafter.base)
-  for d in range(cfg.num_drafts):
-    take = lambda tree, d=d: jax.tree.map(lambda x: x[d], tree)
-    is_new = finished & fits & (slots.route == d)
-    prompt_cache = _kept_prompts(cfg, drafter.base, slots.draft[d])
-
-    def add(buf, is_new=is_new, prompt_cache=prompt_cache):
-      return buf.add(tokens, gen_start, weight, ids, probs, slots.route, is_new,
-                     hidden, prompt_cache)
-
-    # Only in calls where a request finished: adding nothing still rewrote
-    # every field, the kept prompt caches (MBs) included, on every call.
-    buf = when(is_new.any(), add, take(jax.tree.map(lambda x: x[0], buffer)))
-    new = is_new.sum().astype(jnp.int32)
-    if axis_name is not None:
-      new = jax.lax.psum(new, axis_name)
-    count = since[d] + new
-    do = (count >= cfg.update_interval) & may_update
-
-    def learn(operand):
-      p, o, buf, _, _ = operand
-      p, o, loss, bad = objectives.distill(
-          learner, target_params, target_config, p, o, buf, cfg.distill,
-          steps=cfg.update_steps, axis_name=axis_name)
-      if cfg.clear_after_update:
-        buf = buf.cleared()
-      return p, o, buf, loss, bad
-
-    p, o, buf, loss, bad = when(do, learn, (take(params), take(opt_state), buf,
-                                            jnp.float32(jnp.nan), jnp.int32(0)))
-    put = lambda tree, new, d=d: jax.tree.map(lambda x, n: x.at[d].set(n), tree, new)
-    params, opt_state = put(params, p), put(opt_state, o)
-    buffer = jax.tree.map(lambda x, n, d=d: x.at[0, d].set(n), buffer, buf)
-    # The surplus carries over: in the long run, one update per I requests.
-    since = since.at[d].set(jnp.where(do, count - cfg.update_interval, count))
-    updates = updates.at[d].add(do.astype(jnp.int32))
-    skipped = skipped.at[d].add(bad)
-    last = last.at[d].set(jnp.where(do, loss, last[d]))
-    did.append(do)
-    losses.append(loss)
-    skips.append(bad)
-  state = state.replace(draft_params=params, opt_state=opt_state, buffer=buffer,
-                        since_update=since, num_updates=updates,
-                        num_skipped=skipped, last_loss=last)
-  return state, StepOutput(jnp.stack(did), jnp.stack(losses), jnp.stack(skips))
 
 
 def serve_and_learn(target_params, state: OnlineState, refill=False,
@@ -332,7 +243,10 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
         drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window,
         trim_verify=cfg.trim_verify)
     if cfg.learn:
-      records = records.record(result, corrected_only=corrected_only)
+      missed = (drafter.base.lookup_missed(slots.draft[0])  # copies look up alike
+                if cfg.loss_weighting == "lookup_missed" else None)
+      records = records.record(result, corrected_only=corrected_only,
+                               lookup_missed=missed)
     return slots, records
 
   decode = lambda slots, records: slot_lib.decode_loop(step, slots, records, steps,
@@ -345,20 +259,20 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
         lambda s: decode(s, state.records)[0], state.slots, batch,
         num_slots), state.records
   state = state.replace(slots=slots, records=records)
-  nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool),
-                       jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32),
-                       jnp.zeros((cfg.num_drafts,), jnp.int32))
+  nan = jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32)
+  nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool), nan,
+                       jnp.zeros((cfg.num_drafts,), jnp.int32), nan)
   if not cfg.learn:
     return state, nothing
   rng, learn_rng = jax.random.split(state.rng[0])
   state = state.replace(rng=rng[None])
-  return _learn(target_params, state, slots.done & ~was_done, learn_rng,
+  return learning.learn(target_params, state, slots.done & ~was_done, learn_rng,
                 may_update, target_config=target_config, drafter=drafter, cfg=cfg,
                 axis_name=axis_name)
 
 
 _STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
-                           P(), P())
+                           P(), P(), P(), P())
 
 
 class Step:
@@ -390,7 +304,7 @@ class Step:
                                window=window, batch=batch, axis_name=AXIS)
       self._serve[key] = jax.jit(jax.shard_map(
           body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P(), P()),
-          out_specs=(_STATE_SPECS, StepOutput(P(), P(), P())), check_vma=False),
+          out_specs=(_STATE_SPECS, StepOutput(P(), P(), P(), P())), check_vma=False),
           donate_argnums=(1,))
     return self._serve[key](target_params, state, self._flag[bool(refill)],
                             self._flag[bool(may_update)])
@@ -401,6 +315,17 @@ def make_step(mesh: jax.sharding.Mesh, *, target_config: LlamaConfig, drafter,
               cfg: OnlineConfig) -> Step:
   """The compiled insert and serve programs, shared by every stream with these settings."""
   return Step(mesh, target_config=target_config, drafter=drafter, cfg=cfg)
+
+
+def learned_draft_counts(slots: SpecState):
+  """(tokens a gated hybrid's learned draft proposed in each slot's request,
+  how many of them were accepted), [slots] each; None for other drafts."""
+  gates = [leaf for leaf in jax.tree.leaves(
+      slots.draft, is_leaf=lambda x: isinstance(x, Gate)) if isinstance(leaf, Gate)]
+  if not gates:
+    return None
+  # A per-category copy proposes only for its own rows: the sum is the row's.
+  return sum(g.drafted for g in gates), sum(g.drafted_accepted for g in gates)
 
 
 def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
@@ -424,6 +349,7 @@ def place_state(state: OnlineState, mesh: jax.sharding.Mesh) -> OnlineState:
       lambda x: distributed.shard_leading(x, mesh, AXIS) if x.size else rep(x), t)
   return OnlineState(rep(state.draft_params), rep(state.opt_state),
                      split(state.buffer), split(state.slots), split(state.records),
-                     split(state.rng), rep(state.since_update),
-                     rep(state.num_updates), rep(state.num_skipped),
-                     rep(state.last_loss))
+                     split(state.rng), rep(state.replay_key),
+                     rep(state.since_update), rep(state.num_updates),
+                     rep(state.num_skipped), rep(state.last_loss),
+                     rep(state.last_acceptance))

@@ -24,6 +24,11 @@ class Records:
   teacher_ids: jax.Array  # [B, S, teacher_k] int32: the target's top-k here
   teacher_probs: jax.Array  # [B, S, teacher_k] float32
   hidden: jax.Array  # [B, S, D] bfloat16, the target's feature; D 0: not kept
+  # The token was emitted at a step where the hybrid's lookup proposed
+  # nothing: where the learned draft is called on (loss_weighting
+  # lookup_missed). All False for other drafts.
+  lookup_missed: jax.Array  # [B, S] bool
+  uid: jax.Array  # [B] uint32, the slot's request (Buffer.uid)
 
   @classmethod
   def empty(cls, batch_size: int, size: int, teacher_k: int,
@@ -31,26 +36,37 @@ class Records:
     return cls(jnp.zeros((batch_size, size), bool),
                jnp.zeros((batch_size, size, teacher_k), jnp.int32),
                jnp.zeros((batch_size, size, teacher_k), jnp.float32),
-               jnp.zeros((batch_size, size, hidden_dim), jnp.bfloat16))
+               jnp.zeros((batch_size, size, hidden_dim), jnp.bfloat16),
+               jnp.zeros((batch_size, size), bool),
+               jnp.zeros((batch_size,), jnp.uint32))
 
   @property
   def keeps_hidden(self) -> bool:
     return self.hidden.shape[-1] > 0
 
-  def with_prompt(self, row, hidden_1xPxD: jax.Array) -> "Records":
-    """A new request in `row`: its prompt's features (nothing else is read stale)."""
+  def with_prompt(self, row, hidden_1xPxD: jax.Array, key: jax.Array) -> "Records":
+    """A new request in `row`: its id from its sampling `key`, its prompt's
+    features (nothing else is read stale)."""
+    records = self.replace(uid=self.uid.at[row].set(
+        jax.random.bits(key, dtype=jnp.uint32)))
     if not self.keeps_hidden:
-      return self
+      return records
     put = hidden_1xPxD.astype(self.hidden.dtype)
-    return self.replace(hidden=jax.lax.dynamic_update_slice(
+    return records.replace(hidden=jax.lax.dynamic_update_slice(
         self.hidden, put, (row, 0, 0)))
 
-  def record(self, result: StepResult, *, corrected_only: bool) -> "Records":
-    """Writes what one step saw at the positions of the tokens it kept."""
+  def record(self, result: StepResult, *, corrected_only: bool,
+             lookup_missed: jax.Array | None = None) -> "Records":
+    """Writes what one step saw at the positions of the tokens it kept;
+    `lookup_missed` [B]: the hybrid's lookup proposed nothing for the row."""
     k1 = result.emitted.shape[1]
     corrected = jnp.arange(k1) == result.num_accepted[:, None]
     records = self.replace(is_corrected=_put(self.is_corrected, corrected,
                                              result.start, result.kept))
+    if lookup_missed is not None:
+      missed = jnp.broadcast_to(lookup_missed[:, None], corrected.shape)
+      records = records.replace(lookup_missed=_put(
+          records.lookup_missed, missed, result.start, result.kept))
     if self.teacher_ids.shape[-1]:
       # The plain softmax, whatever the serving sampler (update.teacher_probs).
       k = self.teacher_ids.shape[-1]
@@ -91,20 +107,26 @@ def _put(store_BxSx, values_BxCx, start_B, count_B):
   return jax.vmap(row)(store_BxSx, values_BxCx, start_B, count_B)
 
 
+WEIGHTINGS = ("corrected", "all", "lookup_missed")
+
+
 def samples(records: Records, slots: SpecState, *, max_len: int, gen_len: int,
-            corrected_only: bool):
+            weighting: str):
   """Buffer.add's rows for every slot: (tokens, gen_start, weight, ids, probs, hidden).
 
   A sample is the prompt and output (`max_len` positions) with a weight and
-  a teacher per generated token. Positions past a row's output weigh 0.
+  a teacher per generated token. Positions past a row's output weigh 0;
+  `weighting` (WEIGHTINGS) picks which others weigh 1.
   """
   gen = slots.prompt_lens[:, None] + jnp.arange(gen_len)  # sequence positions
   index = jnp.minimum(gen, records.is_corrected.shape[1] - 1)
   take = lambda x: jnp.take_along_axis(
       x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
   weight = jnp.arange(gen_len) < slots.num_generated[:, None]
-  if corrected_only:
+  if weighting == "corrected":
     weight &= take(records.is_corrected)
+  elif weighting == "lookup_missed":
+    weight &= take(records.lookup_missed)
   hidden = records.hidden[:, :max_len] if records.keeps_hidden else None
   return (slots.tokens[:, :max_len], slots.prompt_lens - 1,
           weight.astype(jnp.float32), take(records.teacher_ids),

@@ -121,7 +121,7 @@ def speed_summary(records: list[dict], *, tail: int) -> dict:
         "domain": domain, "requests": len(part),
         "alpha_first": mean("alpha", part[:tail]), "alpha_last": mean("alpha", last),
         "tokens_per_call_last": mean("tokens_per_target_call", last),
-        "tokens_per_s": tokens_per_second(part, before)})
+        "tokens_per_s": tokens_per_second(part, before), **learned_draft(part)})
     before = max(r["finished_s"] for r in part)
   by_finish = sorted(records, key=lambda r: r["finished_s"])
   window = by_finish[-tail:]
@@ -133,6 +133,44 @@ def speed_summary(records: list[dict], *, tail: int) -> dict:
   out["tokens_per_s"] = tokens_per_second(records)
   out["latency"] = latency_percentiles(records)
   return out
+
+
+def learned_draft(records: list[dict]) -> dict:
+  """What a gated hybrid's learned draft did in `records` (lookup did the
+  rest): the tokens it proposed, how many were accepted, and its share of
+  all proposed tokens; {} for other drafts."""
+  if not any("draft_proposed" in r for r in records):
+    return {}
+  proposed = sum(r.get("draft_proposed", 0) for r in records)
+  accepted = sum(r.get("draft_accepted", 0) for r in records)
+  everyone = sum(r["proposed"] for r in records)
+  return {"draft_proposed": proposed, "draft_accepted": accepted,
+          "draft_share": proposed / everyone if everyone else 0.0}
+
+
+def learning_lines(summaries: list[dict]) -> str:
+  """Per run: the learned draft's proposals and accepted tokens per segment,
+  and learning's seconds and share of serving time."""
+  lines = []
+  for s in summaries:
+    parts = [f"{seg['domain']} {seg['draft_proposed']} proposed,"
+             f" {seg['draft_accepted']} accepted ({seg['draft_share']:.0%} of"
+             " proposals)" for seg in s["segments"] if "draft_proposed" in seg]
+    if parts:
+      lines.append(f"{s['run']} learned draft: " + "; ".join(parts))
+    if s.get("updates"):
+      lines.append(f"{s['run']} learning: {s['updates']} updates,"
+                   f" {s['update_s']:.1f} s, {s['update_share']:.1%} of serving time")
+  return "\n".join(lines)
+
+
+def learning_cost(records: list[dict]) -> dict:
+  """Updates, their seconds, and those seconds' share of the serving time
+  (the last finish on the serving clock, updates included)."""
+  seconds = sum(r.get("update_s", 0.0) for r in records)
+  serving = max((r.get("finished_s", 0.0) for r in records), default=0.0)
+  return {"updates": sum(r.get("updates", 0) for r in records), "update_s": seconds,
+          "update_share": seconds / serving if serving > 0 else 0.0}
 
 
 def acceptance_by_position(records: list[dict]) -> list[float]:

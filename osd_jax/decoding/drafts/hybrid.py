@@ -29,11 +29,17 @@ class HybridDraft:
   # The base's pass as a fraction of a target step; 0 runs it wherever
   # lookup misses in some row, whatever it yields.
   draft_cost: float = 0.0
+  # A gated hybrid also explores every n-th lookup-miss step of a request
+  # (Gate.serves); 0: only a request's first steps.
+  explore_every: int = 0
 
   def __post_init__(self):
     if not 0.0 <= self.draft_cost < 1.0:
       raise ValueError(f"The hybrid's draft cost is a fraction of a target step in"
                        f" [0, 1), got {self.draft_cost}.")
+    if self.explore_every < 0:
+      raise ValueError(f"The gate explores every n-th lookup miss, n >= 0 (0:"
+                       f" off), got {self.explore_every}.")
 
   @property
   def needs_hidden(self) -> bool:
@@ -86,16 +92,31 @@ class HybridDraft:
       forced = Forced(tokens, counts)
       run = jnp.any(missed)
     else:  # only the rows the gate lets it serve; the others stay idle
-      serves = gate.serves(missed, self.draft_cost)
+      serves = gate.serves(missed, self.draft_cost, self.explore_every)
       forced = Forced(tokens, counts, idle=~serves)
       run = jnp.any(serves)
-      gate = gate.proposed(serves)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
                                     counts), base)
     with_base = lambda: self.base.propose(params, base, ctx, rng_B, k, sampling,
                                           window, forced=forced)
     proposal, base = jax.lax.cond(run, with_base, lookup_only)
+    if gate is not None:
+      gate = gate.proposed(serves, missed, proposal.num_proposed)
     return proposal, self._join(base, lookup, gate)
+
+  def lookup_missed(self, state) -> jax.Array:
+    """[B] rows whose latest proposal lookup missed (a gated hybrid's)."""
+    return self._split(state)[2].missed
+
+  def with_estimate(self, state, acceptance: jax.Array, k: int):
+    """The state after an update whose draft accepts `acceptance` [] of a
+    token (NaN: unknown): the gate expects sum_i acceptance^i tokens of a
+    k-token proposal (rows gated otherwise unchanged)."""
+    base, lookup, gate = self._split(state)
+    if gate is None:
+      return state
+    tokens = jnp.sum(acceptance ** jnp.arange(1, k + 1))
+    return self._join(base, lookup, gate.reestimated(tokens))
 
   def commit(self, params, state, verified, window):
     base, lookup, gate = self._split(state)
