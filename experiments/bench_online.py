@@ -2,6 +2,7 @@
 
   python -m experiments.bench_online                    # real target, CPU defaults
   python -m experiments.bench_online --num_requests=48 --update_steps=1,4
+  python -m experiments.bench_online --buffer_capacity=32 --minibatch=8 --update_steps=1,4
 
 Serves the same stream with learning off, then with learning on for each
 number of optimizer steps per update, once with each prompt's draft keys
@@ -34,6 +35,9 @@ UPDATE_STEPS = flags.DEFINE_list("update_steps", ["1", "2", "4"],
                                  "Optimizer steps per update to compare.")
 cli.require_positive_ints(UPDATE_STEPS)
 BUFFER_CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples kept.")
+MINIBATCH = flags.DEFINE_integer(
+    "minibatch", 0, "Samples per optimizer step, drawn from the ring each step"
+    " (0: every step over the whole ring).", lower_bound=0)
 K = flags.DEFINE_integer("k", 4, "Draft tokens per step.")
 MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request.")
 CACHE_SIZE = flags.DEFINE_integer("cache_size", 512, "Positions per slot.")
@@ -79,7 +83,7 @@ def main(argv):
       k=K.value, sampling=Sampling(), max_new_tokens=MAX_NEW_TOKENS.value,
       cache_size=CACHE_SIZE.value, update_interval=UPDATE_INTERVAL.value,
       buffer_capacity=BUFFER_CAPACITY.value, clear_after_update=False,
-      teacher_k=TEACHER_TOPK.value, loss_weighting="all",
+      minibatch=MINIBATCH.value, teacher_k=TEACHER_TOPK.value, loss_weighting="all",
       distill=DistillConfig(learning_rate=LEARNING_RATE.value))
   variants = {"learning off": dataclasses.replace(base, learn=False)}
   for steps in [int(s) for s in UPDATE_STEPS.value]:

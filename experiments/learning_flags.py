@@ -9,10 +9,16 @@ UPDATE_INTERVAL = flags.DEFINE_integer(
     "update_interval", 8, "I: finished requests between draft updates (paper: 8).",
     lower_bound=1)
 UPDATE_STEPS = flags.DEFINE_integer(
-    "update_steps", 1, "Optimizer steps per update, each over the whole buffer.")
+    "update_steps", 1, "Optimizer steps per update, each over the whole buffer"
+    " or a --minibatch drawn from it.", lower_bound=1)
+MINIBATCH = flags.DEFINE_integer(
+    "minibatch", 0, "Samples per optimizer step, drawn anew each step from the"
+    " ring (all devices' rings together): the ring is replayed, at a cost set"
+    " by --update_steps x --minibatch; 0: every step over the whole buffer.",
+    lower_bound=0)
 BUFFER_CAPACITY = flags.DEFINE_integer(
     "buffer_capacity", 8, "Samples kept per device (and draft); with the"
-    " default --update_interval, each sample is in one update.")
+    " default --update_interval, each sample is in one update.", lower_bound=1)
 KEEP_BUFFER = flags.DEFINE_bool(
     "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
     " is seen capacity / update_interval times (the paper clears it:"
@@ -32,8 +38,10 @@ LOSS = flags.DEFINE_enum("loss", "fkl", list(losses.NAMES), "Divergence.")
 LOSS_BETA = flags.DEFINE_float("loss_beta", 0.5, "Weight of the generalised JSD.")
 LOSS_TEMPERATURE = flags.DEFINE_float("loss_temperature", 1.0, "Distillation temperature.")
 LOSS_WEIGHTING = flags.DEFINE_enum(
-    "loss_weighting", "all", ["corrected", "all"],
-    "Distil on every generated token, or on corrected/bonus tokens only (paper).")
+    "loss_weighting", "all", ["corrected", "all", "lookup_missed"],
+    "Distil on every generated token, on corrected/bonus tokens only (paper),"
+    " or on the tokens of steps where the hybrid's lookup proposed nothing,"
+    " the ones its learned draft is called on (needs a gated hybrid).")
 OPTIMIZER = flags.DEFINE_enum("optimizer", "adamw", ["adamw", "adam", "sgd"], "Optimizer.")
 LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 1e-3, "Draft learning rate. The paper used 1e-4; drafts cut"
@@ -61,7 +69,8 @@ def online_fields(**distill_extra) -> dict:
   DistillConfig fields of the caller's own flags (a schedule, say)."""
   return dict(
       train_len=TRAIN_LEN.value, update_interval=UPDATE_INTERVAL.value,
-      update_steps=UPDATE_STEPS.value, buffer_capacity=BUFFER_CAPACITY.value,
+      update_steps=UPDATE_STEPS.value, minibatch=MINIBATCH.value,
+      buffer_capacity=BUFFER_CAPACITY.value,
       clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,
       keep_prompt_cache=KEEP_PROMPT_CACHE.value,
       loss_weighting=LOSS_WEIGHTING.value,
