@@ -16,6 +16,13 @@ MINIBATCH = flags.DEFINE_integer(
     " ring (all devices' rings together): the ring is replayed, at a cost set"
     " by --update_steps x --minibatch; 0: every step over the whole buffer.",
     lower_bound=0)
+SHIFT_STEPS = flags.DEFINE_integer(
+    "shift_steps", 0, "A reaction to a shift: extra optimizer steps in an update"
+    " whose loss before it exceeds --shift_ratio x the running mean of those"
+    " of past updates (0: none).", lower_bound=0)
+SHIFT_RATIO = flags.DEFINE_float(
+    "shift_ratio", 1.5, "How far above its running mean the loss before an"
+    " update must be for --shift_steps.", lower_bound=1.0)
 BUFFER_CAPACITY = flags.DEFINE_integer(
     "buffer_capacity", 8, "Samples kept per device (and draft); with the"
     " default --update_interval, each sample is in one update.", lower_bound=1)
@@ -70,6 +77,7 @@ def online_fields(**distill_extra) -> dict:
   return dict(
       train_len=TRAIN_LEN.value, update_interval=UPDATE_INTERVAL.value,
       update_steps=UPDATE_STEPS.value, minibatch=MINIBATCH.value,
+      shift_steps=SHIFT_STEPS.value, shift_ratio=SHIFT_RATIO.value,
       buffer_capacity=BUFFER_CAPACITY.value,
       clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,
       keep_prompt_cache=KEEP_PROMPT_CACHE.value,

@@ -91,6 +91,9 @@ flags.set_default(learning_flags.UPDATE_STEPS, 4)
 flags.set_default(learning_flags.MINIBATCH, 8)
 flags.set_default(learning_flags.BUFFER_CAPACITY, 32)
 flags.set_default(learning_flags.LOSS_WEIGHTING, "lookup_missed")
+# At a domain change the loss before an update jumps: such an update takes
+# 4 more steps (about 2 a segment here; the budget below still bounds them).
+flags.set_default(learning_flags.SHIFT_STEPS, 4)
 # Each second of learning is a second of serving lost: updates may take at
 # most 15 % of it, the issue's ceiling at one slot (README, "What online
 # learning costs"; 0 restores an update every --update_interval requests).

@@ -8,6 +8,7 @@ serve_until_done): requests with one prompt finish in the same call.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ from osd_jax.decoding.drafts import Draft, HybridDraft, NGramDraft
 from osd_jax.distillation import objectives, replay, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.distillation.update import DistillConfig
-from osd_jax.serving import driver, online
+from osd_jax.serving import driver, learning, online
 from tests.test_online import (K, MAX_NEW, VOCAB, admit, fresh_state, host, max_abs_diff,
                                per_request, placed_target, query, random_prompts,
                                serve_stream, serve_until_done, tiny_pair)
@@ -234,3 +235,51 @@ def test_lookup_missed_weighting_needs_a_gated_hybrid():
   with pytest.raises(ValueError, match="gated hybrid"):
     online.init_state(draft.params, draft.drafter, target.config, cfg,
                       num_devices=1, num_slots=1, seed=0)
+
+
+def test_a_loss_above_its_threshold_takes_the_extra_steps():
+  """A reaction to a shift is the same loop run on: 3 steps + 2 extra equal
+  5 steps where the loss before the update is above the bar, 3 where not."""
+  target, draft = tiny_pair()
+  uids = np.arange(6, dtype=np.uint32)
+  rng = np.random.default_rng(1)
+  buffer = Buffer.empty(6, 12, 5, 0).add(
+      rng.integers(3, 32, (6, 12)).astype(np.int32), np.full(6, 3, np.int32),
+      np.ones((6, 5), np.float32), np.zeros((6, 5, 0), np.int32),
+      np.zeros((6, 5, 0), np.float32), np.zeros(6, np.int32), np.ones(6, bool),
+      uid_B=uids)
+  opt = update.init_opt_state(draft.params, BASE.distill)
+  run = jax.jit(objectives.distill, static_argnames=(
+      "drafter", "target_config", "cfg", "steps", "minibatch", "extra_steps"))
+  args = (draft.drafter, target.params, target.config, draft.params, opt, buffer,
+          BASE.distill)
+  key = jax.random.key(2)
+  five = run(*args, steps=5, minibatch=2, key=key)
+  three = run(*args, steps=3, minibatch=2, key=key)
+  reacted = run(*args, steps=3, minibatch=2, key=key, extra_steps=2,
+                extra_above=0.5 * float(three[2]))
+  calm = run(*args, steps=3, minibatch=2, key=key, extra_steps=2,
+             extra_above=2.0 * float(three[2]))
+  assert max_abs_diff(reacted[:2], five[:2]) == 0.0
+  assert max_abs_diff(calm[:2], three[:2]) == 0.0
+  assert max_abs_diff(five[0], three[0]) > 1e-4
+  # No mean yet (NaN): no reaction.
+  nan = run(*args, steps=3, minibatch=2, key=key, extra_steps=2,
+            extra_above=jnp.float32(jnp.nan))
+  assert max_abs_diff(nan[:2], three[:2]) == 0.0
+
+
+def test_the_running_loss_mean_starts_at_the_first_update_and_follows():
+  mean = learning._running_mean  # pylint: disable=protected-access
+  assert float(mean(jnp.float32(jnp.nan), jnp.float32(2.0), jnp.bool_(True))) == 2.0
+  assert np.isnan(mean(jnp.float32(jnp.nan), jnp.float32(2.0), jnp.bool_(False)))
+  moved = float(mean(jnp.float32(2.0), jnp.float32(4.0), jnp.bool_(True)))
+  assert moved == pytest.approx(2.0 + learning.LOSS_RATE * 2.0)
+  assert float(mean(jnp.float32(2.0), jnp.float32(jnp.nan), jnp.bool_(True))) == 2.0
+
+
+def test_shift_settings_are_checked():
+  with pytest.raises(ValueError, match="shift"):
+    online.OnlineConfig(shift_steps=-1)
+  with pytest.raises(ValueError, match="shift"):
+    online.OnlineConfig(shift_ratio=1.0)

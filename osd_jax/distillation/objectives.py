@@ -17,6 +17,7 @@ from osd_jax.distillation import losses, replay, teacher, update
 from osd_jax.distillation.buffer import Buffer
 from osd_jax.models import eagle
 from osd_jax.models.config import LlamaConfig
+from osd_jax.when import when
 
 _OBJECTIVES = {}
 
@@ -114,13 +115,15 @@ _LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 def distill(drafter, target_params, target_config: LlamaConfig, params, opt_state,
             buffer: Buffer, cfg: update.DistillConfig, *, steps: int = 1,
             minibatch: int = 0, key: jax.Array | None = None,
+            extra_steps: int = 0, extra_above: jax.Array | float = jnp.inf,
             axis_name: str | None = None):
   """`steps` optimizer steps: (params, opt_state, first loss, skipped steps).
 
   minibatch 0: every step over the whole buffer, its teacher built once.
   Otherwise each step over `minibatch` samples drawn from it with `key`
-  (replay.py). Each step skips itself (params and optimizer state
-  untouched) if anything is non-finite.
+  (replay.py). `extra_steps` more follow where the first step's loss (the
+  loss before the update) exceeds `extra_above`. Each step skips itself
+  (params and optimizer state untouched) if anything is non-finite.
   """
   if minibatch and key is None:
     raise ValueError("Minibatch replay draws with a key: pass one.")
@@ -132,12 +135,14 @@ def distill(drafter, target_params, target_config: LlamaConfig, params, opt_stat
   branch = jnp.searchsorted(jnp.asarray(lengths), need)
   run = lambda n: functools.partial(
       _distill, drafter, target_params, target_config, buffer=buffer.truncated(n),
-      cfg=cfg, steps=steps, minibatch=minibatch, key=key, axis_name=axis_name)
+      cfg=cfg, steps=steps, minibatch=minibatch, key=key, extra_steps=extra_steps,
+      extra_above=extra_above, axis_name=axis_name)
   return jax.lax.switch(branch, [run(n) for n in lengths], params, opt_state)
 
 
 def _distill(drafter, target_params, target_config, params, opt_state, *, buffer,
-             cfg, steps, axis_name, minibatch=0, key=None):
+             cfg, steps, axis_name, minibatch=0, key=None, extra_steps=0,
+             extra_above=jnp.inf):
   full = None
   if not minibatch:
     full = update.teacher_probs(target_params, target_config, buffer, support(drafter))
@@ -163,7 +168,17 @@ def _distill(drafter, target_params, target_config, params, opt_state, *, buffer
 
   (params, opt_state), (losses, applied) = jax.lax.scan(
       one, (params, opt_state), jnp.arange(steps))
-  return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
+  skipped = (~applied).sum().astype(jnp.int32)
+  if extra_steps:  # the same loop on, its draws continuing from `steps`
+    def more(operand):
+      params, opt_state, skipped = operand
+      (params, opt_state), (_, applied) = jax.lax.scan(
+          one, (params, opt_state), jnp.arange(steps, steps + extra_steps))
+      return params, opt_state, skipped + (~applied).sum().astype(jnp.int32)
+
+    params, opt_state, skipped = when(losses[0] > extra_above, more,
+                                      (params, opt_state, skipped))
+  return params, opt_state, losses[0], skipped
 
 
 def expected_acceptance(drafter, target_params, target_config: LlamaConfig, params,

@@ -91,9 +91,9 @@ def learn(target_params, state, finished, rng, may_update, *,
   tokens, gen_start, weight, ids, probs, hidden = rows
   fits = slots.prompt_lens + slots.num_generated <= cfg.sample_len
   params, opt_state, buffer = state.draft_params, state.opt_state, state.buffer
-  since, updates, skipped, last, keys, accepted = (
+  since, updates, skipped, last, keys, accepted, mean = (
       state.since_update, state.num_updates, state.num_skipped, state.last_loss,
-      state.replay_key, state.last_acceptance)
+      state.replay_key, state.last_acceptance, state.loss_mean)
   did, losses, skips, estimates = [], [], [], []
   learner = objectives.learnable(drafter.base)
   gated = drafter.base if reports_misses(drafter.base) and cfg.reestimate_gate else None
@@ -123,11 +123,15 @@ def learn(target_params, state, finished, rng, may_update, *,
     buf = when(is_new.any() & ~first, add, buf)
     key, draw_key = jax.random.split(keys[d])
 
-    def learn(operand, draw_key=draw_key):
+    # NaN before the first update: no shift to react to.
+    threshold = cfg.shift_ratio * mean[d]
+
+    def learn(operand, draw_key=draw_key, threshold=threshold):
       p, o, buf, _, _, _ = operand
       p, o, loss, bad = objectives.distill(
           learner, target_params, target_config, p, o, buf, cfg.distill,
           steps=cfg.update_steps, minibatch=cfg.minibatch, key=draw_key,
+          extra_steps=cfg.shift_steps, extra_above=threshold,
           axis_name=axis_name)
       estimate = nan
       if gated is not None:  # on the first step's samples: what it trained on
@@ -155,6 +159,7 @@ def learn(target_params, state, finished, rng, may_update, *,
     updates = updates.at[d].add(do.astype(jnp.int32))
     skipped = skipped.at[d].add(bad)
     last = last.at[d].set(jnp.where(do, loss, last[d]))
+    mean = mean.at[d].set(_running_mean(mean[d], loss, do))
     accepted = accepted.at[d].set(jnp.where(do, estimate, accepted[d]))
     keys = keys.at[d].set(jnp.where(do, key, keys[d]))
     did.append(do)
@@ -164,7 +169,19 @@ def learn(target_params, state, finished, rng, may_update, *,
   state = state.replace(draft_params=params, opt_state=opt_state, buffer=buffer,
                         since_update=since, num_updates=updates,
                         num_skipped=skipped, last_loss=last, replay_key=keys,
+                        loss_mean=mean,
                         last_acceptance=accepted,
                         slots=slots.replace(draft=tuple(draft_states)))
   return state, StepOutput(jnp.stack(did), jnp.stack(losses), jnp.stack(skips),
                            jnp.stack(estimates))
+
+
+# Weight of the newest loss in the running mean a shift is measured against
+# (about the last 3 updates: a domain's loss settles within a few).
+LOSS_RATE = 0.3
+
+
+def _running_mean(mean: jax.Array, loss: jax.Array, updated: jax.Array) -> jax.Array:
+  """The mean after an update's loss (the first such loss starts it)."""
+  new = jnp.where(jnp.isnan(mean), loss, mean + LOSS_RATE * (loss - mean))
+  return jnp.where(updated & jnp.isfinite(loss), new, mean)

@@ -54,6 +54,10 @@ class OnlineConfig:
   # Samples per optimizer step, drawn from the ring anew each step (replay.py);
   # 0: every step over the whole buffer (as published).
   minibatch: int = 0
+  # A reaction to a shift: where the loss before an update exceeds
+  # shift_ratio x its running mean over past updates, shift_steps more steps.
+  shift_steps: int = 0
+  shift_ratio: float = 1.5
   buffer_capacity: int = 8  # samples per device and draft
   clear_after_update: bool = True  # as published; False keeps a ring
   teacher_k: int = 32  # 0: recompute the teacher with a target forward
@@ -87,6 +91,9 @@ class OnlineConfig:
     if self.loss_weighting not in WEIGHTINGS:
       raise ValueError(f"loss_weighting must be one of {WEIGHTINGS}, got"
                        f" {self.loss_weighting!r}.")
+    if self.shift_steps < 0 or self.shift_ratio <= 1.0:
+      raise ValueError(f"shift_steps must be >= 0 and shift_ratio > 1, got"
+                       f" {self.shift_steps} and {self.shift_ratio}.")
     if self.minibatch < 0:
       raise ValueError(f"minibatch must be >= 0 (0: the whole buffer), got"
                        f" {self.minibatch}.")
@@ -147,6 +154,7 @@ class OnlineState:
   num_updates: jax.Array  # [num_drafts]
   num_skipped: jax.Array  # [num_drafts] optimizer steps skipped (non-finite)
   last_loss: jax.Array  # [num_drafts] loss at the latest update (NaN: none yet)
+  loss_mean: jax.Array  # [num_drafts] running mean of losses before updates
   # The latest update's draft's acceptance on what it trained on (NaN: none).
   last_acceptance: jax.Array  # [num_drafts] float32
 
@@ -187,7 +195,7 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
                      jax.random.split(serve_key, num_devices),
                      jax.random.split(replay_key, cfg.num_drafts),
                      counters(jnp.int32), counters(jnp.int32), counters(jnp.int32),
-                     nan, nan)
+                     nan, nan, nan)
 
 
 def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1,
@@ -272,7 +280,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
 
 
 _STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
-                           P(), P(), P(), P())
+                           P(), P(), P(), P(), P())
 
 
 class Step:
@@ -352,4 +360,4 @@ def place_state(state: OnlineState, mesh: jax.sharding.Mesh) -> OnlineState:
                      split(state.rng), rep(state.replay_key),
                      rep(state.since_update), rep(state.num_updates),
                      rep(state.num_skipped), rep(state.last_loss),
-                     rep(state.last_acceptance))
+                     rep(state.loss_mean), rep(state.last_acceptance))
