@@ -119,6 +119,16 @@ def test_a_useless_draft_stays_closed():
   assert run_gate(False, 30, 0, estimate_at=5) == []
 
 
+def test_a_pass_that_proposed_nothing_is_not_measured():
+  """A draft that stopped before its first (unconfident) draw yielded no
+  evidence: its mean stays; one that proposed and had none accepted falls."""
+  g = gate([1.0, 1.0], [1.0, 1.0]).proposed(
+      jnp.array([True, True]), jnp.array([True, True]), jnp.array([0, 3]))
+  after = g.after(jnp.array([1, 1]), own=True)
+  np.testing.assert_allclose(after.accepted, [1.0, 0.9])
+  assert after.drafted.tolist() == [0, 3] and after.drafted_accepted.tolist() == [0, 0]
+
+
 def test_an_estimate_blends_into_the_rows_of_its_draft_only():
   g = gate([1.0, 1.0], [1.0, 1.0], own=(True, False)).reestimated(jnp.float32(3.0))
   np.testing.assert_allclose(g.accepted, [2.0, 1.0])

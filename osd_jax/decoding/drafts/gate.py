@@ -82,12 +82,15 @@ class Gate:
 
   def proposed(self, ran: jax.Array, missed: jax.Array,
                num_proposed: jax.Array | None = None) -> "Gate":
-    """This step's rows the draft proposed for (measured at `after`), those
-    lookup `missed`, and the tokens each proposal held."""
+    """This step's rows the draft ran for, those lookup `missed`, and the
+    tokens each proposal held. Only rows it proposed a token for are
+    measured at `after`: a pass that stopped before its first unconfident
+    draw proposed nothing, and is no evidence of what the draft yields."""
     counted = missed & self.live & self.own
     drafted = self.drafted
     if num_proposed is not None:
       drafted = drafted + jnp.where(ran, num_proposed, 0)
+      ran = ran & (num_proposed > 0)
     return self.replace(ran=ran, missed=missed, misses=self.misses + counted,
                         drafted=drafted)
 
