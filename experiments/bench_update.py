@@ -2,9 +2,11 @@
 
   python -m experiments.bench_update                   # the derived draft, CPU defaults
   python -m experiments.bench_update --draft=eagle
+  python -m experiments.bench_update --buffer_capacity=32 --minibatch=8 --update_steps=4
 
-Times `objectives.distill` (one optimizer step over a full buffer, as the
-online loop takes it) on buffers of served-like samples: 64 generated
+Times `objectives.distill` (an update as the online loop takes it: by
+default one optimizer step over a full buffer; --update_steps steps of
+--minibatch samples drawn from it, the main job's replay) on buffers of served-like samples: 64 generated
 positions after a prompt, a top-32 teacher, in the 256- and 512-position
 length buckets. Compared: the prompt's keys and values kept
 from serving (the default, model drafts only), recomputed without
@@ -30,6 +32,11 @@ CAPACITY = flags.DEFINE_integer("buffer_capacity", 16, "Samples in the buffer.")
 GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated positions per sample.")
 TEACHER_K = flags.DEFINE_integer("teacher_topk", 32, "Teacher top-k kept.")
 REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per setting.")
+UPDATE_STEPS = flags.DEFINE_integer("update_steps", 1, "Optimizer steps per update.",
+                                    lower_bound=1)
+MINIBATCH = flags.DEFINE_integer(
+    "minibatch", 0, "Samples per step drawn from the buffer (0: all of it).",
+    lower_bound=0)
 # (bucket, prompt tokens): code prompts fill the larger bucket.
 _SHAPES = ((256, 150), (512, 300))
 
@@ -44,7 +51,7 @@ def served_like(vocab: int, length: int, prompt: int, seed: int = 0) -> Buffer:
       loss_weight=jnp.ones((n, g), jnp.float32),
       teacher_ids=jnp.asarray(rng.integers(0, min(vocab, 8000), (n, g, k)), jnp.int32),
       teacher_probs=jnp.full((n, g, k), 1.0 / k, jnp.float32),
-      is_valid=jnp.ones((n,), bool))
+      uid=jnp.arange(n, dtype=jnp.uint32), is_valid=jnp.ones((n,), bool))
 
 
 def with_prompt_cache(buffer: Buffer, learner, params) -> Buffer:
@@ -89,7 +96,9 @@ def main(argv):
     opt_state = update.init_opt_state(draft.params, cfg)
     state_mb = sum(x.nbytes for x in jax.tree.leaves(opt_state)) / 1e6
     step = jax.jit(lambda p, o, b, cfg=cfg: objectives.distill(
-        learner, target.params, target.config, p, o, b, cfg))
+        learner, target.params, target.config, p, o, b, cfg,
+        steps=UPDATE_STEPS.value, minibatch=MINIBATCH.value,
+        key=jax.random.key(0)))
     costs = []
     for length, prompt in _SHAPES:
       buffer = served_like(target.config.vocab_size, length, prompt)
