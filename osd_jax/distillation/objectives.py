@@ -166,19 +166,30 @@ def _distill(drafter, target_params, target_config, params, opt_state, *, buffer
                                                      loss, cfg)
     return (params, opt_state), (loss, applied)
 
-  (params, opt_state), (losses, applied) = jax.lax.scan(
-      one, (params, opt_state), jnp.arange(steps))
-  skipped = (~applied).sum().astype(jnp.int32)
-  if extra_steps:  # the same loop on, its draws continuing from `steps`
-    def more(operand):
-      params, opt_state, skipped = operand
-      (params, opt_state), (_, applied) = jax.lax.scan(
-          one, (params, opt_state), jnp.arange(steps, steps + extra_steps))
-      return params, opt_state, skipped + (~applied).sum().astype(jnp.int32)
+  if not extra_steps:
+    (params, opt_state), (losses, applied) = jax.lax.scan(
+        one, (params, opt_state), jnp.arange(steps))
+    return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
 
-    params, opt_state, skipped = when(losses[0] > extra_above, more,
-                                      (params, opt_state, skipped))
-  return params, opt_state, losses[0], skipped
+  # One loop of steps + extra_steps whose last ones run only if the first
+  # loss was above the bar: the step is compiled once, not once per loop
+  # (the update's kernels count against vm.max_map_count, driver.py).
+  def maybe(carry, step):
+    params, opt_state, extra = carry
+
+    def run(operand):
+      (p, o), (loss, applied) = one(operand[:2], step)
+      return p, o, loss, applied
+
+    params, opt_state, loss, applied = when(
+        (step < steps) | extra, run,
+        (params, opt_state, jnp.float32(jnp.nan), jnp.bool_(True)))
+    extra = jnp.where(step == 0, loss > extra_above, extra)
+    return (params, opt_state, extra), (loss, applied)
+
+  (params, opt_state, _), (losses, applied) = jax.lax.scan(
+      maybe, (params, opt_state, jnp.bool_(False)), jnp.arange(steps + extra_steps))
+  return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
 
 
 def expected_acceptance(drafter, target_params, target_config: LlamaConfig, params,

@@ -70,7 +70,7 @@ def _student_rows(target_params, draft_params, state, rows, rng,
 
 
 def learn(target_params, state, finished, rng, may_update, *,
-           target_config, drafter, cfg, axis_name):
+          target_config, drafter, cfg, axis_name):
   """Buffers every finished request with its draft; updates drafts whose turn
   it is, if `may_update` (else they wait: learning_budget).
 
@@ -96,7 +96,8 @@ def learn(target_params, state, finished, rng, may_update, *,
       state.replay_key, state.last_acceptance, state.loss_mean)
   did, losses, skips, estimates = [], [], [], []
   learner = objectives.learnable(drafter.base)
-  gated = drafter.base if reports_misses(drafter.base) and cfg.reestimate_gate else None
+  gated = (drafter.base if reports_misses(drafter.base) and cfg.reestimate_gate
+           else None)
   greedy = cfg.sampling is not None and cfg.sampling.is_greedy
   draft_states = list(slots.draft)
   nan = jnp.float32(jnp.nan)
@@ -126,7 +127,7 @@ def learn(target_params, state, finished, rng, may_update, *,
     # NaN before the first update: no shift to react to.
     threshold = cfg.shift_ratio * mean[d]
 
-    def learn(operand, draw_key=draw_key, threshold=threshold):
+    def train(operand, draw_key=draw_key, threshold=threshold):
       p, o, buf, _, _, _ = operand
       p, o, loss, bad = objectives.distill(
           learner, target_params, target_config, p, o, buf, cfg.distill,
@@ -144,7 +145,7 @@ def learn(target_params, state, finished, rng, may_update, *,
       return p, o, buf, loss, bad, estimate
 
     p, o, buf, loss, bad, estimate = when(
-        do, learn, (take(params), take(opt_state), buf, nan, jnp.int32(0), nan))
+        do, train, (take(params), take(opt_state), buf, nan, jnp.int32(0), nan))
     buf = when(first & is_new.any(), add, buf)
     if gated is not None:
       draft_states[d] = gated.with_estimate(draft_states[d], estimate, cfg.k)
