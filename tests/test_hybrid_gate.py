@@ -206,3 +206,19 @@ def test_the_online_loop_serves_alike_on_one_device_and_two():
         state.slots.draft, is_leaf=lambda x: isinstance(x, Gate)) if isinstance(leaf, Gate)]
     assert gate_state.accepted.shape == (4,) and int(gate_state.age.min()) > 0
   assert sorted(served[1]) == sorted(served[2]) and len(served[1]) == len(prompts)
+
+
+def test_an_update_estimate_becomes_expected_tokens_of_a_proposal():
+  """Per-token acceptance a becomes a + a^2 + ... + a^k accepted tokens of a
+  k-token proposal, blended into the gate; a plain hybrid has no gate."""
+  _, draft = test_online.tiny_pair()
+  lookup = NGramDraft(test_online.VOCAB)
+  gated = HybridDraft(draft.drafter, lookup, draft_cost=0.3)
+  state = gated.init_state(2, 16)
+  after = gated.with_estimate(state, jnp.float32(0.5), k=3)
+  (g,) = [x for x in jax.tree.leaves(after, is_leaf=lambda x: isinstance(x, Gate))
+          if isinstance(x, Gate)]
+  np.testing.assert_allclose(g.accepted, 1.0 + 0.5 * (0.875 - 1.0))
+  plain = HybridDraft(draft.drafter, lookup)
+  state = plain.init_state(2, 16)
+  assert plain.with_estimate(state, jnp.float32(0.5), k=3) is state
