@@ -29,7 +29,9 @@ def run_main(lab: Lab) -> dict:
                     "online (final, eval)", "paper: before/offline/online"], rows)
   notes = (f"k={s.k}, greedy, {s.max_new_tokens} new tokens; offline: {s.epochs}"
            f" epochs on the {s.num_train} stream prompts; online: the same"
-           f" {s.num_train} requests once, an update every {s.update_interval};"
+           f" {s.num_train} requests once, an update every {s.update_interval}"
+           f" ({s.update_steps} steps of {s.minibatch or 'all'} samples from the"
+           f" last {s.buffer_capacity} served);"
            f" last window = last {s.window} requests; eval: {s.num_eval}"
            " held-out prompts.")
   write(lab, "main", "Alpha per data set: before, offline, online", table, notes,

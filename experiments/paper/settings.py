@@ -30,6 +30,16 @@ class Settings:
   prompt_len: int = 160
   batch_size: int = 8
   update_interval: int = 8
+  # Online replay: each update takes update_steps optimizer steps, each on
+  # `minibatch` samples drawn from a kept ring of `buffer_capacity` (the
+  # last requests served). 4 steps of 8 every 8 requests spend what offline
+  # distillation spends on the same stream (epochs x prompts samples);
+  # --update_steps=1 --minibatch=0 --buffer_capacity=8 --nokeep_buffer is
+  # the paper's one step on the cleared buffer.
+  update_steps: int = 4
+  minibatch: int = 8
+  buffer_capacity: int = 32
+  keep_buffer: bool = True
   epochs: int = 4
   learning_rate: float = 1e-3
   loss: str = "fkl"
@@ -61,11 +71,15 @@ class Settings:
     return cls(**fields)
 
   def online_config(self, num_drafts: int = 1) -> online.OnlineConfig:
-    capacity = self.batch_size * -(-self.update_interval // self.batch_size)
+    # The ring holds at least a whole interval, in whole batches.
+    capacity = self.batch_size * -(-max(self.update_interval, self.buffer_capacity)
+                                   // self.batch_size)
     return online.OnlineConfig(
         k=self.k, sampling=Sampling(), max_new_tokens=self.max_new_tokens,
         cache_size=self.cache_size, update_interval=self.update_interval,
-        buffer_capacity=capacity, teacher_k=self.teacher_topk,
+        update_steps=self.update_steps, minibatch=self.minibatch,
+        buffer_capacity=capacity, clear_after_update=not self.keep_buffer,
+        teacher_k=self.teacher_topk,
         sample_source=self.sample_source, num_drafts=num_drafts,
         distill=self.distill_config())
 
@@ -102,6 +116,10 @@ _HELP = {
     "prompt_len": "Prompt capacity in tokens; longer prompts are not drawn.",
     "batch_size": "Requests per batch (and offline minibatch).",
     "update_interval": "Online: requests between draft updates.",
+    "update_steps": "Online: optimizer steps per update.",
+    "minibatch": "Online: samples per step, drawn from the ring (0: all of it).",
+    "buffer_capacity": "Online: samples the ring keeps (at least an interval).",
+    "keep_buffer": "Online: keep the ring across updates (False: clear it).",
     "epochs": "Offline distillation epochs.",
     "learning_rate": "Draft learning rate, offline and online (paper: 1e-4).",
     "loss": "Divergence (fkl, rkl, jsd, tvd, fkl_rkl).",

@@ -100,7 +100,10 @@ def run_shift(lab: Lab) -> dict:
            " every segment, collected before serving. The first table scores"
            " them on every request, including those they trained on; the second"
            " only on the rest ('-': none left). The online draft serves each"
-           " request before it learns from it. Paper (GSM8K/Spider/finance/code,"
+           f" request before it learns from it: an update every"
+           f" {s.update_interval} requests, {s.update_steps} steps of"
+           f" {s.minibatch or 'all'} samples from the last {s.buffer_capacity}"
+           " served. Paper (GSM8K/Spider/finance/code,"
            " 2K each): online 0.706/0.642/0.644/0.595, about as good as static"
            " drafts distilled on 70-100 % of each segment.")
   write(lab, "shift", "Sharp-shift stream: online versus static drafts", table,

@@ -152,9 +152,11 @@ def collect(target_params, target_config: LlamaConfig, draft_params,
                 teacher_probs=jnp.asarray(probs),
                 hidden=jnp.zeros(tokens.shape + (0,), jnp.bfloat16),
                 category=jnp.zeros((n,), jnp.int32),
+                uid=jnp.arange(n, dtype=jnp.uint32),
                 is_valid=jnp.ones((n,), bool),
                 next_slot=jnp.zeros((), jnp.int32),
-                num_added=jnp.asarray(n, jnp.int32))
+                num_added=jnp.asarray(n, jnp.int32),
+                num_fresh=jnp.zeros((), jnp.int32))
 
 
 def _minibatch(data: Buffer, rows_B: jax.Array, is_real_B: jax.Array) -> Buffer:

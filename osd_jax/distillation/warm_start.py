@@ -161,8 +161,9 @@ def teacher_data(target: LoadedModel, sequences, cfg: WarmStartConfig,
   return Buffer(tokens=tokens, gen_start=gen_start, loss_weight=weight,
                 teacher_ids=np.concatenate(parts["ids"]),
                 teacher_probs=np.concatenate(parts["probs"]), hidden=hidden,
-                category=np.zeros((n,), np.int32), is_valid=np.ones((n,), bool),
-                next_slot=np.zeros((), np.int32), num_added=np.asarray(n, np.int32))
+                category=np.zeros((n,), np.int32), uid=np.arange(n, dtype=np.uint32),
+                is_valid=np.ones((n,), bool), next_slot=np.zeros((), np.int32),
+                num_added=np.asarray(n, np.int32), num_fresh=np.zeros((), np.int32))
 
 
 def train(draft: Draft, target: LoadedModel, data: Buffer, cfg: WarmStartConfig, *,
