@@ -27,15 +27,19 @@ def test_the_limit_and_the_maps_held_are_read_from_the_files(tmp_path):
   assert program_maps.memory_maps(str(tmp_path / "none")) is None  # not Linux
 
 
-def test_all_programs_where_they_fit_else_fewer_buckets():
-  assert _plan(1_000_000).programs == 20
-  plan = _plan(65_530)  # 10 x 5,000 + inserts fit in 90% of it, 15 do not
-  assert (plan.windows, plan.batches) == (WINDOWS, (1, 8))
+def test_all_programs_where_they_fit_else_the_most_useful():
+  assert len(_plan(1_000_000).programs) == 20
+  plan = _plan(65_530)  # 11 x 5,000 + inserts fit in 90% of it, 12 do not
+  assert plan.programs == tuple(sorted(
+      [(1024, b) for b in BATCHES] + [(w, 1) for w in WINDOWS[:-1]]
+      + [(512, 2), (512, 4), (512, 8)]))
+  assert plan.maps == 11 * 5000 + 9 * program_maps.MAPS_PER_INSERT
   assert plan.maps + 1000 <= 0.9 * 65_530
-  assert (plan.window(65), plan.batch(2), plan.batch(1)) == (128, 8, 1)
-  fewer = _plan(40_000)
-  assert fewer.windows == (256, 512, 1024) and fewer.batches == (1, 8)
-  assert _plan(10_000).programs == 1  # the widest window over every slot
+  # A call runs on the fewest slots it needs, then the narrowest window.
+  assert plan.program(60, 1) == (64, 1)
+  assert plan.program(300, 2) == (512, 2) and plan.program(600, 2) == (1024, 2)
+  assert plan.program(60, 3) == (512, 4) and plan.program(600, 8) == (1024, 8)
+  assert _plan(10_000).programs == ((1024, 8),)  # the widest window, every slot
 
 
 def test_programs_that_cannot_fit_are_refused_in_one_line():
@@ -49,11 +53,11 @@ def test_programs_that_cannot_fit_are_refused_in_one_line():
 def test_the_real_models_defaults_fit_a_standard_host():
   """SmolLM2 (30 layers) with the 2-layer draft, learning at cache 1024 (5
   update lengths), beside what the loaded process held (about 900): every
-  window, at 1 and at 8 slots."""
+  batch at the widest window, one slot at every window."""
   maps = lambda batch: program_maps.serve_program_maps(batch, 32, 5)
   assert maps(8) >= 5_343 and maps(1) >= 3_660  # the measured figures
   plan = _plan(65_530, held=900, serve_maps=maps)
-  assert plan.windows == WINDOWS and plan.batches == (1, 8)
+  assert {(1024, b) for b in BATCHES} | {(w, 1) for w in WINDOWS} <= set(plan.programs)
 
 
 def _engine(limit: int, **live_fields):
@@ -78,7 +82,7 @@ def test_merged_buckets_serve_the_same_greedy_text():
   """Only the widest window over every slot compiled: requests of every
   length, at every occupancy, get the target's greedy tokens."""
   target, engine = _engine(limit=5_500, num_slots=4)
-  assert engine.plan.programs == 1
+  assert engine.plan.programs == ((MAIN.cache_size, 4),)
   prompts = [list(prompt_ids(q)) for q in QUERIES[:5]]
   tokens, done = [[] for _ in prompts], queue.Queue()
 

@@ -227,32 +227,30 @@ class LiveEngine:
         maps=maps, flag_hint="lower --cache_size (fewer windows and update"
         " lengths) or --slots, or pass --nolearn")
     full = len(windows) * len(batches)
-    if plan.programs < full:
-      print(f"compiling {plan.programs} of {full} serve programs (windows"
-            f" {', '.join(map(str, plan.windows))}; batches"
-            f" {', '.join(map(str, plan.batches))}): all {full} would pass"
-            f" vm.max_map_count = {maps[1]:,} (raise it: {program_maps.RAISE_IT})",
-            flush=True)
+    if len(plan.programs) < full:
+      shown = ", ".join(f"{w}x{b}" for w, b in plan.programs)
+      print(f"compiling {len(plan.programs)} of {full} serve programs (window x"
+            f" batch: {shown}): all {full} would pass vm.max_map_count ="
+            f" {maps[1]:,} (raise it: {program_maps.RAISE_IT})", flush=True)
     return plan
 
   def _warm_up(self) -> None:
     """Compiles every program a request can call, each run as a no-op."""
     widths, plan = self._widths(), self.plan
-    bar = progress.bar(len(widths) + plan.programs, "compiling", "programs")
+    bar = progress.bar(len(widths) + len(plan.programs), "compiling", "programs")
     for width in widths:
       if not self._accepting:  # stopped while starting: compile no more
         return
       self._insert_nothing(width)
       bar.update(1)
     scratch = jax.tree.map(jnp.copy, self._state)  # serve donates it
-    for window in plan.windows:
-      for batch in plan.batches:
-        if not self._accepting:
-          return
-        scratch, _ = self._step.serve(self._target_params, scratch,
-                                      steps=self.cfg.steps_per_call, window=window,
-                                      batch=batch, may_update=False)
-        bar.update(1)
+    for window, batch in plan.programs:
+      if not self._accepting:
+        return
+      scratch, _ = self._step.serve(self._target_params, scratch,
+                                    steps=self.cfg.steps_per_call, window=window,
+                                    batch=batch, may_update=False)
+      bar.update(1)
     jax.block_until_ready(scratch)
     bar.close()
     self._free_slots(np.zeros(self.live.num_slots, bool))
@@ -389,10 +387,10 @@ class LiveEngine:
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
     occupied = self._occupied()
-    window = self.plan.window(self.cfg.window(int(self._lengths[occupied].max())))
     # The call's StepOutput is not needed: the state holds the update counts.
-    batch = self.plan.batch(slot_lib.occupied_batch(
-        occupied, self.live.num_slots // self.mesh.size))
+    window, batch = self.plan.program(
+        self.cfg.window(int(self._lengths[occupied].max())),
+        slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
     start = _busy_clock()
     self._state, _ = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,

@@ -30,14 +30,16 @@ RAISE_IT = "sudo sysctl -w vm.max_map_count=262144"
 #   serve, 4 or 8 slots:    3,876                          2,163
 #   the same, learning:   +1,470 (5 update lengths)      +1,300 (4 lengths)
 #   insert (a prefill):       ~195
-# Decoding unrolls its layers (about 62 mappings each); the update does not,
-# but compiles one branch per sample length (objectives._LENGTHS up to the
-# cache size). The figures below round every measurement up: the server's
-# defaults plan 10 serve programs and 9 inserts at an estimated 57,090
-# mappings, and compiling them took the process from 877 to 48,837.
+# Decoding unrolls its layers (about 62 mappings each, 17 at one slot); the
+# update does not, but compiles one branch per sample length
+# (objectives._LENGTHS up to the cache size). The figures below round every
+# measurement up. Checked whole: 10 programs at 1 and 8 slots and 9 inserts,
+# estimated at 57,090 mappings, took the process from 877 to 48,837.
 MAPS_PER_PROGRAM = 2050
-MAPS_SAVED_AT_ONE_SLOT = 400  # one slot verifies without packing: fewer kernels
 MAPS_PER_LAYER = 62
+# One slot verifies without packing: fewer kernels, fewer of them per layer.
+MAPS_PER_PROGRAM_AT_ONE_SLOT = 1800
+MAPS_PER_LAYER_AT_ONE_SLOT = 17
 MAPS_PER_UPDATE_LENGTH = 330
 MAPS_PER_INSERT = 250
 
@@ -64,72 +66,65 @@ def serve_program_maps(batch: int, decode_layers: int, update_lengths: int = 0) 
   """Estimated mappings of one serve program over `batch` slots a device:
   `decode_layers` (target and draft) unrolled, and one update branch per
   sample length (0: no learning)."""
-  return (MAPS_PER_PROGRAM - (MAPS_SAVED_AT_ONE_SLOT if batch == 1 else 0)
-          + MAPS_PER_LAYER * decode_layers + MAPS_PER_UPDATE_LENGTH * update_lengths)
+  if batch == 1:
+    base = MAPS_PER_PROGRAM_AT_ONE_SLOT + MAPS_PER_LAYER_AT_ONE_SLOT * decode_layers
+  else:
+    base = MAPS_PER_PROGRAM + MAPS_PER_LAYER * decode_layers
+  return base + MAPS_PER_UPDATE_LENGTH * update_lengths
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The serve programs a server compiles: one per (window, batch)."""
+  """The serve programs a server compiles, each (window, batch)."""
 
-  windows: tuple[int, ...]
-  batches: tuple[int, ...]
-  maps: int  # estimated mappings of all its programs
+  programs: tuple[tuple[int, int], ...]
+  maps: int  # estimated mappings of them all, inserts included
 
-  @property
-  def programs(self) -> int:
-    return len(self.windows) * len(self.batches)
-
-  def window(self, needed: int) -> int:
-    """The smallest planned window of at least `needed` positions."""
-    return min(w for w in self.windows if w >= needed)
-
-  def batch(self, needed: int) -> int:
-    """The smallest planned batch of at least `needed` slots."""
-    return min(b for b in self.batches if b >= needed)
+  def program(self, window: int, batch: int) -> tuple[int, int]:
+    """The planned (window, batch) a call needing this much runs: the fewest
+    slots (a call's cost grows with its rows), then the narrowest window."""
+    return min(((w, b) for w, b in self.programs if w >= window and b >= batch),
+               key=lambda program: (program[1], program[0]))
 
 
-def _fewer(windows: tuple[int, ...], batches: tuple[int, ...]):
-  """Ever smaller bucket sets, all keeping the widest window and batch (a
-  call may need them). Middle batches merge first (a call over 2 or 4 slots
-  computes 8), then the narrowest windows (their attention is the cheapest
-  part of a step), then batch 1."""
-  keep_one = batches[:1] if batches[0] < batches[-1] else ()
-  middle = list(batches[1:-1] if keep_one else batches[:-1])
-  while middle:
-    middle.pop(0)
-    yield windows, keep_one + tuple(middle) + batches[-1:]
-  batches = keep_one + batches[-1:]
-  for cut in range(1, len(windows)):
-    yield windows[cut:], batches
-  yield windows[-1:], batches[-1:]
+def _by_use(windows: tuple[int, ...], batches: tuple[int, ...]) -> list[tuple[int, int]]:
+  """Every (window, batch), the most useful first. The widest window over
+  every slot serves any call; then the widest window at each batch, so no
+  call computes more rows than it needs; then one slot (a lone client, the
+  cheapest programs) at each narrower window; then the rest, widest first.
+  A wider window costs a call little (a 1-token step over 512 positions
+  took 1.22x one over 256 at batch 1, bench_decode); more rows cost up to
+  their number."""
+  widest, rest = windows[-1], windows[-2::-1]
+  return ([(widest, batches[-1])] + [(widest, b) for b in batches[:-1]]
+          + [(w, batches[0]) for w in rest]
+          + [(w, b) for w in rest for b in batches[1:]])
 
 
 def plan(windows: Sequence[int], batches: Sequence[int], *,
          serve_maps: Callable[[int], int], inserts: int,
          maps: tuple[int, int] | None, flag_hint: str) -> Plan:
-  """The most of these (window, batch) programs that fit beside the `maps`
-  held (memory_maps()) with `inserts` prefill programs, a serve program over
-  b slots holding serve_maps(b) mappings. ProgramsDoNotFit names what to
-  change when even one window and one batch do not fit; `flag_hint` says
-  which flags shrink the programs."""
+  """The most useful of these (window, batch) programs that fit beside the
+  `maps` held (memory_maps()) with `inserts` prefill programs, a serve
+  program over b slots holding serve_maps(b) mappings: all of them where
+  they fit. ProgramsDoNotFit names what to change when not even the widest
+  window over every slot fits; `flag_hint` says which flags shrink it."""
   windows, batches = tuple(sorted(windows)), tuple(sorted(batches))
-  cost = lambda w, b: (len(w) * sum(map(serve_maps, b))
-                       + inserts * MAPS_PER_INSERT)
-  full = Plan(windows, batches, cost(windows, batches))
-  if maps is None:  # not Linux: no such limit
-    return full
-  held, limit = maps
-  room = math.floor(HEADROOM * limit) - held
-  for w, b in ((windows, batches), *_fewer(windows, batches)):
-    if cost(w, b) <= room:
-      return Plan(w, b, cost(w, b))
-  least = cost(windows[-1:], batches[-1:])
-  raise ProgramsDoNotFit(
-      f"Even the fewest programs this configuration needs ({inserts + 1}) would"
-      f" hold about {least:,} memory mappings beside the {held:,} this process"
-      f" holds, over {HEADROOM:.0%} of vm.max_map_count = {limit:,}: {flag_hint},"
-      f" or raise the limit ({RAISE_IT}).")
+  total = inserts * MAPS_PER_INSERT
+  room = math.inf if maps is None else math.floor(HEADROOM * maps[1]) - maps[0]
+  chosen = []
+  for window, batch in _by_use(windows, batches):
+    if total + serve_maps(batch) <= room:
+      chosen.append((window, batch))
+      total += serve_maps(batch)
+    elif not chosen:
+      held, limit = maps
+      raise ProgramsDoNotFit(
+          f"Even the fewest programs this configuration needs ({inserts + 1}) would"
+          f" hold about {total + serve_maps(batch):,} memory mappings beside the"
+          f" {held:,} this process holds, over {HEADROOM:.0%} of vm.max_map_count ="
+          f" {limit:,}: {flag_hint}, or raise the limit ({RAISE_IT}).")
+  return Plan(tuple(sorted(chosen)), total)
 
 
 def fits_another(maps: tuple[int, int] | None, largest: int) -> bool:
