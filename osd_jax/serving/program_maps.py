@@ -33,8 +33,9 @@ RAISE_IT = "sudo sysctl -w vm.max_map_count=262144"
 # Decoding unrolls its layers (about 62 mappings each, 17 at one slot); the
 # update does not, but compiles one branch per sample length
 # (objectives._LENGTHS up to the cache size). The figures below round every
-# measurement up. Checked whole: 10 programs at 1 and 8 slots and 9 inserts,
-# estimated at 57,090 mappings, took the process from 877 to 48,837.
+# measurement up. Checked whole: the server's defaults plan 11 serve programs
+# and 9 inserts at 56,324 mappings; compiling them took the process from 880
+# to 54,141.
 MAPS_PER_PROGRAM = 2050
 MAPS_PER_LAYER = 62
 # One slot verifies without packing: fewer kernels, fewer of them per layer.
