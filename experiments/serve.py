@@ -58,8 +58,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def main(argv):
   del argv
-  compilation_cache.enable(compilation_cache.directory(
-      sf.COMPILATION_CACHE.value, not sf.COMPILATION_CACHE.present))
+  compilation_cache.enable_from_flag()
   if sf.RESUME.value and not sf.CHECKPOINT_DIR.value:
     raise app.UsageError("--resume needs --checkpoint_dir.")
   sock = _listening_socket(sf.HOST.value, sf.PORT.value)
@@ -96,7 +95,7 @@ def main(argv):
                   vocab_size=target.config.vocab_size, problem=engine.problem,
                   default_max_tokens=engine.default_max_tokens,
                   temperature=sf.TEMPERATURE.value, top_p=sf.TOP_P.value,
-                  top_k=sf.TOP_K.value)
+                  top_k=sf.TOP_K.value, max_n=live.num_slots)
   server = _Server(uvicorn.Config(make_app(engine, limits), log_level="warning",
                                   access_log=False,
                                   timeout_graceful_shutdown=sf.DRAIN_S.value), engine)

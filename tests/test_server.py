@@ -181,7 +181,9 @@ BAD_REQUESTS = [
     ("max_tokens beyond the context", "/v1/completions",
      {"prompt": " ".join(["w9"] * 50), "max_tokens": 16}, 400),
     ("prompt over the context", "/v1/completions", {"prompt": " ".join(["w9"] * 70)}, 400),
-    ("n > 1", "/v1/completions", {"prompt": "w5", "n": 2}, 400),
+    ("n over the slots", "/v1/completions", {"prompt": "w5", "n": 9}, 400),
+    ("n 0", "/v1/completions", {"prompt": "w5", "n": 0}, 400),
+    ("n a string", "/v1/completions", {"prompt": "w5", "n": "2"}, 400),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, 400),
     ("token id out of range", "/v1/completions", {"prompt": [5, 999]}, 400),
@@ -216,8 +218,40 @@ def test_bad_request_gets_its_4xx_and_the_server_keeps_serving(tiny, name, path,
 def test_openai_client_raises_on_bad_requests(tiny):
   with pytest.raises(openai.NotFoundError):
     tiny.client.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)
-  with pytest.raises(openai.BadRequestError, match="n=1"):
-    tiny.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2)
+  with pytest.raises(openai.BadRequestError, match="n must be in"):
+    tiny.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=9)
+
+
+def test_n_choices_are_independent_requests_with_usage_summed(tiny):
+  greedy = tiny.complete(PROMPT, n=3)
+  assert [c.index for c in greedy.choices] == [0, 1, 2]
+  assert [c.text for c in greedy.choices] == tiny.greedy([PROMPT]) * 3
+  assert greedy.usage.prompt_tokens == len(tiny.ids(PROMPT))  # counted once
+  assert greedy.usage.completion_tokens == 3 * MAX_TOKENS
+  _speculative_usage_is_sane(greedy.usage)
+  sampled = tiny.complete(PROMPT, n=3, temperature=1.0, max_tokens=16)
+  texts = [c.text for c in sampled.choices]
+  assert len(set(texts)) > 1  # 16 draws from a random model: never all alike
+  tokens = sum(len(tiny.ids(t)) for t in texts)  # words are tokens here
+  assert sampled.usage.completion_tokens == tokens
+  chat = tiny.client.chat.completions.create(
+      model="tiny", messages=[{"role": "user", "content": PROMPT}], n=2,
+      max_tokens=MAX_TOKENS, temperature=0)
+  assert [c.message.content for c in chat.choices] == tiny.greedy([PROMPT], chat=True) * 2
+
+
+def test_n_choices_stream_by_index(tiny):
+  chunks = list(tiny.complete(PROMPT, n=3, stream=True,
+                              stream_options={"include_usage": True}))
+  texts, finishes = ["", "", ""], [[], [], []]
+  for chunk in chunks:
+    for choice in chunk.choices:
+      texts[choice.index] += choice.text
+      if choice.finish_reason:
+        finishes[choice.index].append(choice.finish_reason)
+  assert texts == tiny.greedy([PROMPT]) * 3
+  assert finishes == [["length"]] * 3
+  assert chunks[-1].usage.completion_tokens == 3 * MAX_TOKENS
 
 
 async def _load(served: Served, prompts: list[str], concurrency: int, timeout: float):

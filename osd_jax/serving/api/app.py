@@ -31,14 +31,16 @@ _DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its 
 
 
 class _Channel:
-  """Engine events onto this request's asyncio queue; called on the engine thread."""
+  """Engine events of choice `index` onto the request's asyncio queue (shared
+  by its n choices) as (index, event); called on the engine thread."""
 
-  def __init__(self, loop: asyncio.AbstractEventLoop):
-    self.loop, self.queue = loop, asyncio.Queue()
+  def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+               index: int = 0):
+    self.loop, self.queue, self.index = loop, queue, index
 
   def __call__(self, event) -> None:
     with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
-      self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+      self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
 
 
 class _Run:
@@ -98,17 +100,25 @@ def make_app(engine: LiveEngine, limits: Limits) -> Starlette:
       parsed = parse(await request.body(), limits, chat=chat)
     except ApiError as e:
       return _error(e)
-    channel = _Channel(asyncio.get_running_loop())
-    live = LiveRequest(parsed.prompt_ids, parsed.params, channel)
-    try:
-      engine.submit(live)
-    except EngineUnavailable as e:
-      return _error(ApiError(503, str(e), kind="server_error"))
-    run = _Run(live, TextStream(limits.tokenizer, eos_id, parsed.stops))
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    runs = []
+    for i in range(parsed.n):  # n choices: n engine requests, independent draws
+      params = parsed.params
+      if params.seed is not None:
+        params = dataclasses.replace(params, seed=params.seed + i)
+      live = LiveRequest(parsed.prompt_ids, params, _Channel(loop, queue, i))
+      try:
+        engine.submit(live)
+      except EngineUnavailable as e:
+        for run in runs:
+          run.live.cancel()
+        return _error(ApiError(503, str(e), kind="server_error"))
+      runs.append(_Run(live, TextStream(limits.tokenizer, eos_id, parsed.stops)))
     shape = wire.Shape(limits.model, chat)
+    cancel_all = lambda: [run.live.cancel() for run in runs]
     if parsed.stream:
-      return _EventStream(_stream(run, channel, shape, parsed), live.cancel)
-    return await _whole(request, run, channel, shape)
+      return _EventStream(_stream(runs, queue, shape, parsed), cancel_all)
+    return await _whole(request, runs, queue, shape)
 
   async def completions(request: Request):
     return await generate(request, chat=False)
@@ -177,40 +187,50 @@ def make_app(engine: LiveEngine, limits: Limits) -> Starlette:
                    exception_handlers={HTTPException: not_found})
 
 
-async def _stream(run: _Run, channel: _Channel, shape: wire.Shape, parsed: Parsed):
-  """Server-sent events: one chunk per token group, the finish, usage if asked."""
-  yield wire.sse(shape.chunk(None if shape.chat else "", first=True))
+async def _stream(runs: list[_Run], queue: asyncio.Queue, shape: wire.Shape,
+                  parsed: Parsed):
+  """Server-sent events: one chunk per token group of a choice, each choice's
+  finish, then usage if asked."""
+  for i in range(len(runs)):
+    yield wire.sse(shape.chunk(None if shape.chat else "", first=True, index=i))
   try:
-    while run.finish_reason is None:
-      delta = run.take(await channel.queue.get())
+    while any(run.finish_reason is None for run in runs):
+      i, event = await queue.get()
+      delta = runs[i].take(event)
       if delta:
-        yield wire.sse(shape.chunk(delta))
+        yield wire.sse(shape.chunk(delta, index=i))
+      if runs[i].finish_reason is not None:
+        yield wire.sse(shape.chunk(None, runs[i].finish_reason, index=i))
   except ApiError as e:
     yield wire.sse(e.body())
     yield wire.SSE_DONE
     return
-  yield wire.sse(shape.chunk(None, run.finish_reason))
   if parsed.include_usage:
-    yield wire.sse(shape.usage_chunk(run.stats))
+    yield wire.sse(shape.usage_chunk([run.stats for run in runs]))
   yield wire.SSE_DONE
 
 
-async def _whole(request: Request, run: _Run, channel: _Channel, shape: wire.Shape):
+async def _whole(request: Request, runs: list[_Run], queue: asyncio.Queue,
+                 shape: wire.Shape):
   """The whole answer; a client that hangs up meanwhile cancels its request."""
-  parts = []
+  parts = [[] for _ in runs]
   try:
-    while run.finish_reason is None:
+    while any(run.finish_reason is None for run in runs):
       try:
-        event = await asyncio.wait_for(channel.queue.get(), _DISCONNECT_POLL_S)
+        i, event = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
       except asyncio.TimeoutError:
         if await request.is_disconnected():
-          run.live.cancel()
+          for run in runs:
+            run.live.cancel()
           return PlainTextResponse("", status_code=499)  # nobody reads it
         continue
-      parts.append(run.take(event))
+      parts[i].append(runs[i].take(event))
   except ApiError as e:
     return _error(e)
   finally:
-    if run.finish_reason is None:
-      run.live.cancel()  # the handler itself was cancelled (shutdown)
-  return JSONResponse(shape.response("".join(parts), run.finish_reason, run.stats))
+    for run in runs:
+      if run.finish_reason is None:
+        run.live.cancel()  # the handler itself was cancelled (shutdown)
+  return JSONResponse(shape.response(["".join(p) for p in parts],
+                                     [run.finish_reason for run in runs],
+                                     [run.stats for run in runs]))

@@ -28,6 +28,7 @@ class Limits:
   temperature: float = 1.0  # defaults of requests that name none
   top_p: float = 1.0
   top_k: int = 0
+  max_n: int = 1  # the most choices a request may ask for (the engine's slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Parsed:
   stops: tuple[str, ...]
   stream: bool
   include_usage: bool
+  n: int = 1  # independent choices, each its own engine request
 
 
 # Options the server cannot honour, with the value that means "not used".
@@ -62,9 +64,10 @@ def parse(raw: bytes, limits: Limits, *, chat: bool) -> Parsed:
   if model != limits.model:
     raise ApiError(404, f"The model {model!r} does not exist; this server serves"
                    f" {limits.model!r}.", param="model", code="model_not_found")
-  n = body.get("n")
-  if n is not None and (n != 1 or isinstance(n, bool)):
-    raise ApiError(400, f"Only n=1 is supported, got n={n!r}.", param="n")
+  n = _integer(body, "n", 1)
+  if not 1 <= n <= limits.max_n:
+    raise ApiError(400, f"n must be in [1, {limits.max_n}] (the server's slots),"
+                   f" got n={n}.", param="n")
   for name, unused in _UNSUPPORTED.items():
     value = body.get(name)
     if value is not None and value != unused and value not in ({}, [], False):
@@ -108,7 +111,8 @@ def parse(raw: bytes, limits: Limits, *, chat: bool) -> Parsed:
                    param="stream_options")
   params = RequestParams(max_tokens=max_tokens, temperature=temperature,
                          top_k=max(top_k, 0), top_p=top_p, seed=seed)
-  return Parsed(ids, params, _stops(body), stream, bool(options.get("include_usage")))
+  return Parsed(ids, params, _stops(body), stream, bool(options.get("include_usage")),
+                n)
 
 
 def _integer(body: dict, name: str, default):
@@ -159,7 +163,7 @@ def _prompt_ids(body: dict, limits: Limits) -> list[int]:
   if prompt in (None, [], [[]]):
     raise ApiError(400, "The prompt is empty.", param="prompt")
   raise ApiError(400, "prompt must be a string or a list of token ids (one prompt"
-                 " per request: n and batches of prompts are not supported).",
+                 " per request: batches of prompts are not supported).",
                  param="prompt")
 
 

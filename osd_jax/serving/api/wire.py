@@ -31,8 +31,10 @@ def _finite(x: float) -> float | None:
   return x if math.isfinite(x) else None
 
 
-def usage(stats: RequestStats) -> dict:
-  """OpenAI's usage, plus the request's speculative metrics."""
+def usage(stats: RequestStats | list[RequestStats]) -> dict:
+  """OpenAI's usage, plus the request's speculative metrics; for n choices
+  their sums (the prompt counted once, as OpenAI counts it)."""
+  stats = combined(stats if isinstance(stats, list) else [stats])
   return {
       "prompt_tokens": stats.prompt_tokens,
       "completion_tokens": stats.completion_tokens,
@@ -48,6 +50,19 @@ def usage(stats: RequestStats) -> dict:
   }
 
 
+def combined(stats: list[RequestStats]) -> RequestStats:
+  """The stats of n choices of one prompt as one request's."""
+  first = stats[0]
+  total = lambda name: sum(getattr(s, name) for s in stats)
+  return RequestStats(
+      prompt_tokens=first.prompt_tokens, completion_tokens=total("completion_tokens"),
+      num_drafts=total("num_drafts"), num_draft_tokens=total("num_draft_tokens"),
+      num_accepted_tokens=total("num_accepted_tokens"),
+      accepted_per_pos=tuple(map(sum, zip(*(s.accepted_per_pos for s in stats)))),
+      target_calls=total("target_calls"), alpha_sum=total("alpha_sum"),
+      alpha_count=total("alpha_count"))
+
+
 class Shape:
   """The response and chunk bodies of one request, completion or chat."""
 
@@ -59,31 +74,34 @@ class Shape:
     return {"id": self.id, "object": kind, "created": self.created,
             "model": self.model, "choices": choices, **extra}
 
-  def response(self, text: str, finish_reason: str, stats: RequestStats) -> dict:
-    """The whole answer of a request that did not stream."""
+  def response(self, texts: list[str], finish_reasons: list[str],
+               stats: list[RequestStats]) -> dict:
+    """The whole answer of a request that did not stream: a choice per text."""
     if self.chat:
-      choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
-      return self._envelope("chat.completion", [choice], usage=usage(stats))
-    choice = {"index": 0, "text": text, "logprobs": None,
-              "finish_reason": finish_reason}
-    return self._envelope("text_completion", [choice], usage=usage(stats))
+      choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": reason}
+                 for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+      return self._envelope("chat.completion", choices, usage=usage(stats))
+    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+               for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+    return self._envelope("text_completion", choices, usage=usage(stats))
 
   def chunk(self, text: str | None, finish_reason: str | None = None,
-            first: bool = False) -> dict:
-    """One streamed token group (text) or the closing chunk (finish_reason)."""
+            first: bool = False, index: int = 0) -> dict:
+    """One streamed token group (text) or the closing chunk (finish_reason)
+    of choice `index`."""
     if self.chat:
       delta = {} if text is None else {"content": text}
       if first:
         delta["role"] = "assistant"
-      choice = {"index": 0, "delta": delta, "logprobs": None,
+      choice = {"index": index, "delta": delta, "logprobs": None,
                 "finish_reason": finish_reason}
       return self._envelope("chat.completion.chunk", [choice])
-    choice = {"index": 0, "text": text or "", "logprobs": None,
+    choice = {"index": index, "text": text or "", "logprobs": None,
               "finish_reason": finish_reason}
     return self._envelope("text_completion", [choice])
 
-  def usage_chunk(self, stats: RequestStats) -> dict:
+  def usage_chunk(self, stats: list[RequestStats]) -> dict:
     """stream_options.include_usage: the last chunk, with no choices."""
     kind = "chat.completion.chunk" if self.chat else "text_completion"
     return self._envelope(kind, [], usage=usage(stats))
