@@ -11,11 +11,18 @@ import hashlib
 import os
 import platform
 
+from absl import flags
 import jax
 import jaxlib
 
 DEFAULT_ROOT = os.path.join("~", ".cache", "osd_jax", "xla")
 _ENV = "JAX_COMPILATION_CACHE_DIR"  # where jax itself looks (tests set it)
+
+FLAG = flags.DEFINE_string(
+    "compilation_cache", DEFAULT_ROOT, "Persistent XLA compilation cache, so a"
+    " restart loads the programs instead of compiling them; kept in a subfolder"
+    " per jax version and host CPU. '' turns it off; left at its default,"
+    " $JAX_COMPILATION_CACHE_DIR wins where set.")
 
 
 def cpu_digest(cpuinfo_path: str = "/proc/cpuinfo") -> str:
@@ -54,3 +61,8 @@ def enable(folder: str | None) -> None:
     jax.config.update("jax_enable_compilation_cache", False)
   else:
     jax.config.update("jax_compilation_cache_dir", folder)
+
+
+def enable_from_flag() -> None:
+  """enable() with the folder --compilation_cache names."""
+  enable(directory(FLAG.value, not FLAG.present))

@@ -20,8 +20,8 @@ import os
 
 from absl import app, flags
 
-from experiments import (cli, learning_flags, model_flags, multihost_flags, plots,
-                         step_flags, verify_flags)
+from experiments import (cli, compilation_cache, learning_flags, model_flags,
+                         multihost_flags, plots, step_flags, verify_flags)
 from osd_jax.data import streams
 from osd_jax.decoding.drafts import Draft, HybridDraft, NoDraft
 from osd_jax.decoding.sampling import Sampling
@@ -200,6 +200,7 @@ def _finish(name: str, reporter: Reporter | None, ckpt: Checkpointer | None) -> 
 
 def main(argv):
   del argv
+  compilation_cache.enable_from_flag()
   multihost_flags.maybe_initialize()
   unknown = set(RUNS.value) - set(PASSES)
   if unknown:

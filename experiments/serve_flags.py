@@ -38,11 +38,7 @@ SEED = flags.DEFINE_integer("seed", 0, "Draws the seeds of requests that bring n
 WARM_UP = flags.DEFINE_bool(
     "warm_up", True, "Compile every program before taking requests (/health"
     " answers 503 meanwhile), so no request waits on a compile.")
-COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache", compilation_cache.DEFAULT_ROOT, "Persistent XLA"
-    " compilation cache, so a restart loads the programs instead of compiling"
-    " them; kept in a subfolder per jax version and host CPU. '' turns it off;"
-    " left at its default, $JAX_COMPILATION_CACHE_DIR wins where set.")
+COMPILATION_CACHE = compilation_cache.FLAG
 # Learning.
 LEARN = flags.DEFINE_bool("learn", True, "Distil the draft on the traffic; --nolearn"
                           " keeps it frozen.")
