@@ -102,6 +102,11 @@ def make_app(engine: LiveEngine, limits: Limits) -> Starlette:
       return _error(e)
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
     runs = []
+
+    def cancel_all():
+      for run in runs:
+        run.live.cancel()
+
     for i in range(parsed.n):  # n choices: n engine requests, independent draws
       params = parsed.params
       if params.seed is not None:
@@ -110,12 +115,10 @@ def make_app(engine: LiveEngine, limits: Limits) -> Starlette:
       try:
         engine.submit(live)
       except EngineUnavailable as e:
-        for run in runs:
-          run.live.cancel()
+        cancel_all()
         return _error(ApiError(503, str(e), kind="server_error"))
       runs.append(_Run(live, TextStream(limits.tokenizer, eos_id, parsed.stops)))
     shape = wire.Shape(limits.model, chat)
-    cancel_all = lambda: [run.live.cancel() for run in runs]
     if parsed.stream:
       return _EventStream(_stream(runs, queue, shape, parsed), cancel_all)
     return await _whole(request, runs, queue, shape)
