@@ -224,6 +224,7 @@ def main(argv):
       raise app.UsageError("--loss_weighting=lookup_missed needs a gated hybrid"
                            " draft (--hybrid with a draft cost).")
     cfg = dataclasses.replace(cfg, loss_weighting="all")  # nothing else to weigh by
+  cfg = step_flags.with_position_costs(cfg, target, SLOTS.value // mesh.size)
   if "online" in RUNS.value and draft.params == ():
     raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
                          " pass --runs=target,static.")
@@ -232,7 +233,9 @@ def main(argv):
         f" {num_drafts} draft(s)")
   os.makedirs(OUTPUT_DIR.value, exist_ok=True)
   # What a resumed run must share with the checkpoint it continues.
-  run_config = {"online": dataclasses.asdict(cfg), "target": target.source,
+  run_config = {"online": {k: v for k, v in dataclasses.asdict(cfg).items()
+                           if k != "position_costs"},  # the host's, measured
+                "target": target.source,
                 "draft": draft.source, "stream": STREAM.value,
                 "domains": DOMAINS.value, "num_requests": NUM_REQUESTS.value,
                 "seed": SEED.value, "slots": SLOTS.value,
@@ -248,7 +251,8 @@ def main(argv):
       "static": (draft, dataclasses.replace(cfg, learn=False), None),
       "online": (draft, cfg, checkpointer),
       "ngram": (model_flags.load_draft(target, "ngram", hybrid=False),
-                online_config(1, K.value, learn=False), None)}
+                dataclasses.replace(online_config(1, K.value, learn=False),
+                                    position_costs=cfg.position_costs), None)}
   primary = distributed.is_primary()  # only process 0 writes results
   turn = TURN.value if TURN.value is not None else (8 if SLOTS.value == 1 else 0)
   pauses = turn_ends(queries, WINDOW.value, turn) if INTERLEAVE.value else []

@@ -20,7 +20,7 @@ from absl import app
 import jax
 import uvicorn
 
-from experiments import cli, compilation_cache, model_flags, serve_flags as sf
+from experiments import cli, compilation_cache, model_flags, serve_flags as sf, step_flags
 from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.serving import online
 from osd_jax.serving.api.app import make_app
@@ -73,16 +73,20 @@ def main(argv):
   if sf.LEARN.value and draft.params == ():
     raise app.UsageError(f"--draft={model_flags.DRAFT.value} has nothing to learn:"
                          " pass --nolearn.")
-  # The warm start's training programs are not served: dropped, their memory
-  # mappings leave room for the serving programs (LiveEngine's plan).
-  jax.clear_caches()
   mesh = online.make_mesh(cli.device_count(sf.DEVICES.value))
-  cfg, live = sf.online_config(), sf.live_config()
+  live = sf.live_config()
+  cfg = step_flags.with_position_costs(sf.online_config(), target,
+                                       live.num_slots // mesh.size)
+  # The warm start's training programs and the cost timing's are not served:
+  # dropped, their memory mappings leave room for the serving programs
+  # (LiveEngine's plan).
+  jax.clear_caches()
   checkpointer = None
   if sf.CHECKPOINT_DIR.value:
-    # What a resumed server must share with its checkpoint; learning may differ.
+    # What a resumed server must share with its checkpoint; learning and the
+    # host's measured costs may differ.
     run_config = {"online": {k: v for k, v in dataclasses.asdict(cfg).items()
-                             if k != "learn"},
+                             if k not in ("learn", "position_costs")},
                   "target": target.source, "draft": draft.source,
                   "slots": live.num_slots, "devices": mesh.size}
     checkpointer = Checkpointer(sf.CHECKPOINT_DIR.value, run_config,

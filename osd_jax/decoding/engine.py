@@ -81,7 +81,7 @@ class Engine:
                *, k: int = 0, sampling: Sampling = Sampling(),
                max_new_tokens: int = 64, num_slots: int = 8,
                steps_per_call: int = 8, cache_size: int | None = None,
-               trim_verify: bool = False):
+               trim_verify: bool = False, position_cost: float = 0.0):
     if k < 0:
       raise ValueError(f"k must be >= 0 (0 = target only), got {k}.")
     if k and draft is None:
@@ -97,6 +97,7 @@ class Engine:
     self.num_slots, self.steps_per_call = num_slots, steps_per_call
     self.cache_size = cache_size
     self.trim_verify = trim_verify  # see slots.SlotConfig
+    self.position_cost = position_cost  # see slots.SlotConfig
     self._prepared = None  # the models' decoding layout, made on first use
     # Metrics of every request of the last generate call, summed on the host.
     self.totals: speculative.Metrics | None = None
@@ -130,7 +131,7 @@ class Engine:
   def slot_config(self, cache_size: int) -> slots.SlotConfig:
     return slots.SlotConfig(self.target.config, self.draft.drafter, self.k,
                             self.sampling, self.num_slots, cache_size,
-                            self.trim_verify)
+                            self.trim_verify, self.position_cost)
 
   def _params(self):
     if self._prepared is None:

@@ -132,6 +132,9 @@ class SlotConfig:
   # longest proposal needs (speculative.verify_pass), over more slots each
   # row's own, packed (speculative.verify_packed).
   trim_verify: bool = False
+  # A verified position's cost as a fraction of a plain step: each row then
+  # verifies only the drafted positions that pay (verify_policy.py).
+  position_cost: float = 0.0
 
   def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
     """Whether a request can be served in one slot.
@@ -243,7 +246,7 @@ def generate(target_params, draft_params, state: SpecState, refill=False, *,
       speculative.speculate_and_verify, target_params, draft_params,
       target_config=cfg.target_config, drafter=cfg.drafter, k=cfg.k,
       sampling=cfg.sampling, window=window,
-      trim_verify=cfg.trim_verify)
+      trim_verify=cfg.trim_verify, position_cost=cfg.position_cost)
   decode = lambda s: decode_loop(lambda s, c: (step(s)[0], c), s, (), steps,
                                  refill, window=window)[0]
   return on_first_slots(decode, state, batch or cfg.num_slots, cfg.num_slots)

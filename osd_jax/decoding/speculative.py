@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from osd_jax.decoding import sampling as sampling_lib
+from osd_jax.decoding import verify_policy
 from osd_jax.decoding.drafts.base import Context, Proposal, Verified
 from osd_jax.decoding.prefill import prefill_hidden
 from osd_jax.decoding.sampling import RowSampling, Sampling
@@ -38,13 +39,14 @@ class Metrics:
   alpha_count: jax.Array  # [B] verified positions
   reached_by_position: jax.Array  # [B, k] times draft position i was verified
   accepted_by_position: jax.Array  # [B, k] times it was accepted
+  proposed_by_position: jax.Array  # [B, k] times a proposal reached position i
 
   @classmethod
   def zeros(cls, batch_size: int, k: int) -> "Metrics":
     # Distinct buffers: a state holding one array twice cannot be donated.
     b = lambda: jnp.zeros((batch_size,), jnp.float32)
     bk = lambda: jnp.zeros((batch_size, k), jnp.float32)
-    return cls(b(), b(), b(), b(), b(), b(), bk(), bk())
+    return cls(b(), b(), b(), b(), b(), b(), bk(), bk(), bk())
 
   def reset_row(self, row: jax.Array) -> "Metrics":
     return jax.tree.map(lambda x: x.at[row].set(0), self)
@@ -280,7 +282,8 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
                          target_config: LlamaConfig, drafter, k: int,
                          sampling: Sampling | None,
                          window: int | None = None,
-                         trim_verify: bool = False) -> tuple[SpecState, StepResult]:
+                         trim_verify: bool = False,
+                         position_cost: float = 0.0) -> tuple[SpecState, StepResult]:
   """One draft-k, verify-once step over every row.
 
   `sampling` None draws each row with its own settings (state.sampling).
@@ -293,8 +296,14 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   (verify_pass), over more each row's own, packed (verify_packed); the
   drafter commits as many as the longest (commit_pass). Without it every
   row verifies k + 1 positions and the drafter proposes at full width
-  (Drafter.at_full_width).
+  (Drafter.at_full_width). With a `position_cost` (a verified position's
+  cost as a fraction of a plain step, on this host and batch) each row
+  verifies only the drafted positions that pay (verify_policy.py); it needs
+  `trim_verify`, without which every position is verified anyway.
   """
+  if position_cost and not trim_verify:
+    raise ValueError("A position cost cuts proposals only where verification is"
+                     " trimmed (trim_verify).")
   if sampling is None:
     sampling = state.sampling
   if not trim_verify:
@@ -302,9 +311,12 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.rng)
   next_keys, draft_keys, accept_keys = keys[:, 0], keys[:, 1], keys[:, 2]
   m = state.lengths
-  ctx = Context(state.tokens, m, state.route)
+  limit = (verify_policy.limits(state.metrics, k, position_cost)
+           if position_cost and k else None)
+  ctx = Context(state.tokens, m, state.route, limit)
   proposal, draft = drafter.propose(draft_params, state.draft, ctx, draft_keys, k,
                                     sampling, window)
+  proposal = proposal.replace(num_proposed=ctx.within_limit(proposal.num_proposed))
   verify = jnp.concatenate([ctx.last_token[:, None], proposal.tokens], axis=1)
   widths = verify_widths(k) if trim_verify else (k + 1,)
   counts = jnp.where(state.done, 0, proposal.num_proposed + 1)
@@ -338,6 +350,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   is_verified = (jnp.arange(k) <= n[:, None]) & (
       jnp.arange(k) < proposal.num_proposed[:, None]) & active[:, None]
   is_accepted = (jnp.arange(k) < n[:, None]) & active[:, None]
+  is_proposed = (jnp.arange(k) < proposal.num_proposed[:, None]) & active[:, None]
   f32 = lambda x: x.astype(jnp.float32)
   mt = state.metrics
   # A step may draft fewer tokens than the state was built for (a loaded
@@ -352,7 +365,8 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
       alpha_sum=mt.alpha_sum + (alpha * is_verified).sum(axis=1),
       alpha_count=mt.alpha_count + f32(is_verified).sum(axis=1),
       reached_by_position=mt.reached_by_position + by_position(is_verified),
-      accepted_by_position=mt.accepted_by_position + by_position(is_accepted))
+      accepted_by_position=mt.accepted_by_position + by_position(is_accepted),
+      proposed_by_position=mt.proposed_by_position + by_position(is_proposed))
   state = state.replace(target_cache=target_cache, draft=draft, tokens=tokens,
                         done=done, rng=next_keys, metrics=metrics)
   result = StepResult(proposal.tokens, proposal.num_proposed, n, emitted, kept,
@@ -362,11 +376,12 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
 
 @functools.partial(
     jax.jit, static_argnames=("target_config", "drafter", "k", "sampling",
-                              "max_new_tokens", "cache_size", "trim_verify"))
+                              "max_new_tokens", "cache_size", "trim_verify",
+                              "position_cost"))
 def generate(target_params, draft_params, prompts_BxP, prompt_lens_B, rng, *,
              target_config: LlamaConfig, drafter, k: int, sampling: Sampling,
              max_new_tokens: int, cache_size: int,
-             trim_verify: bool = False) -> SpecState:
+             trim_verify: bool = False, position_cost: float = 0.0) -> SpecState:
   """Decodes every row until EOS or max_new_tokens, in one compiled loop.
 
   The whole batch waits for its slowest row: the slot engine does not.
@@ -380,7 +395,8 @@ def generate(target_params, draft_params, prompts_BxP, prompt_lens_B, rng, *,
                    cache_size=cache_size)
   step = functools.partial(speculate_and_verify, target_params, draft_params,
                            target_config=target_config, drafter=drafter, k=k,
-                           sampling=sampling, trim_verify=trim_verify)
+                           sampling=sampling, trim_verify=trim_verify,
+                           position_cost=position_cost)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(s)[0],
                             state)
 

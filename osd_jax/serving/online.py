@@ -75,6 +75,11 @@ class OnlineConfig:
   # a draft that skips a step falls out of step with its cache.
   batch_k: tuple[tuple[int, int], ...] = ()
   trim_verify: bool = False  # see slots.SlotConfig
+  # ((b, cost), ...): in a call over b slots per device a verified position
+  # costs `cost` of a plain step (measured: serving/verify_costs.py), and
+  # each row verifies only the drafted positions that pay for it
+  # (decoding/verify_policy.py); () verifies every drafted position.
+  position_costs: tuple[tuple[int, float], ...] = ()
   # Buffer a model draft's prompt keys and values as serving's prefill wrote
   # them, so an update need not run the draft over every prompt again
   # (Buffer.prompt_k; per sample 2 x layers x kv_heads x head_dim x
@@ -106,6 +111,12 @@ class OnlineConfig:
     if any(min(b, k_b) < 1 for b, k_b in self.batch_k):
       raise ValueError(f"batch_k needs batches and draft lengths >= 1, got"
                        f" {self.batch_k}.")
+    if self.position_costs and not self.trim_verify:
+      raise ValueError("position_costs cut proposals only where verification is"
+                       " trimmed (trim_verify).")
+    if any(b < 1 or not 0.0 <= c < float("inf") for b, c in self.position_costs):
+      raise ValueError(f"position_costs needs batches >= 1 and finite costs >= 0,"
+                       f" got {self.position_costs}.")
     if self.train_len > self.cache_size:
       raise ValueError(f"train_len {self.train_len} is longer than a slot"
                        f" (cache_size {self.cache_size}).")
@@ -120,6 +131,12 @@ class OnlineConfig:
       if batch >= b:
         k = min(k_b, self.k)
     return k
+
+  def position_cost_at(self, batch: int) -> float:
+    """A verified position's cost in a call over `batch` slots per device,
+    from the nearest measured batch at or below it (0: no costs given)."""
+    below = [c for b, c in sorted(self.position_costs) if b <= batch]
+    return below[-1] if below else 0.0
 
   @property
   def sample_len(self) -> int:
@@ -249,7 +266,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
     slots, result = speculative.speculate_and_verify(
         target_params, draft_params, slots, target_config=target_config,
         drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window,
-        trim_verify=cfg.trim_verify)
+        trim_verify=cfg.trim_verify, position_cost=cfg.position_cost_at(batch))
     if cfg.learn:
       missed = (drafter.base.lookup_missed(slots.draft[0])  # copies look up alike
                 if cfg.loss_weighting == "lookup_missed" else None)

@@ -32,6 +32,14 @@ class Context:
   tokens: jax.Array  # [B, S] c_0..c_m in positions 0..m; later ones are stale
   lengths: jax.Array  # [B] m: tokens the target has cached
   route: jax.Array  # [B] which draft serves the row (one per category)
+  # [B] the most tokens each row's proposal may hold this step (None: k),
+  # chosen from past steps only (decoding/verify_policy.py). Verification
+  # cuts every proposal to it; a drafter may also stop drafting there.
+  limit: jax.Array | None = None
+
+  def within_limit(self, counts: jax.Array) -> jax.Array:
+    """`counts` [B] proposed tokens cut to the limit."""
+    return counts if self.limit is None else jnp.minimum(counts, self.limit)
 
   @property
   def last_token(self) -> jax.Array:

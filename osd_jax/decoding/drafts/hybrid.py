@@ -88,11 +88,13 @@ class HybridDraft:
     base, lookup, gate = self._split(state)
     tokens, counts = self.ngram.lookup(ctx, k, lookup)
     missed = counts == 0
+    # A row that may propose nothing this step needs no draft pass.
+    wanted = missed if ctx.limit is None else missed & (ctx.limit > 0)
     if gate is None:  # the base serves every row lookup missed, and is fed the rest
       forced = Forced(tokens, counts)
-      run = jnp.any(missed)
+      run = jnp.any(wanted)
     else:  # only the rows the gate lets it serve; the others stay idle
-      serves = gate.serves(missed, self.draft_cost, self.explore_every)
+      serves = gate.serves(wanted, self.draft_cost, self.explore_every)
       forced = Forced(tokens, counts, idle=~serves)
       run = jnp.any(serves)
     lookup_only = lambda: (Proposal(tokens, one_hot_logits(tokens, self.ngram.vocab_size),
@@ -101,7 +103,7 @@ class HybridDraft:
                                           window, forced=forced)
     proposal, base = jax.lax.cond(run, with_base, lookup_only)
     if gate is not None:
-      gate = gate.proposed(serves, missed, proposal.num_proposed)
+      gate = gate.proposed(serves, missed, ctx.within_limit(proposal.num_proposed))
     return proposal, self._join(base, lookup, gate)
 
   def lookup_missed(self, state) -> jax.Array:

@@ -91,7 +91,7 @@ class ModelDraft:
     first = pick(0, first_logits)
     if self.confidence_threshold:
       proposal, cache = self._draw_while_confident(draw, first, first_logits, cache,
-                                                   k, sampling, forced)
+                                                   k, sampling, forced, ctx.limit)
     else:
       def step(carry, i):
         nxt, logits, cache = draw(i, *carry)
@@ -152,17 +152,20 @@ class ModelDraft:
     return llama.logits(params, self.config, last)[:, 0], cache
 
   def _draw_while_confident(self, draw, first, first_logits, cache, k: int,
-                            sampling, forced):
-    """Up to k draws; the loop ends when no row is still confident."""
+                            sampling, forced, limit=None):
+    """Up to k draws (a row's `limit` [B], where given); the loop ends when
+    no row is still confident and within its limit."""
     b = first.shape[0]
     going = jnp.ones((b,), bool) if forced is None else forced.is_served
+    limit = jnp.full((b,), k, jnp.int32) if limit is None else limit
+    going &= limit > 0
 
     def record(i, nxt, step_logits, tokens, logits, counts, going):
       q_x = jnp.take_along_axis(sampling.probs(step_logits), nxt[:, None], axis=1)[:, 0]
       confident = q_x >= self.confidence_threshold
       proposed = going & confident if self.stop_before_unconfident else going
       return (tokens.at[:, i].set(nxt), logits.at[:, i].set(step_logits),
-              counts + proposed, going & confident)
+              counts + proposed, going & confident & (i + 1 < limit))
 
     init = (jnp.int32(1), first, cache) + record(
         0, first, first_logits, jnp.zeros((b, k), jnp.int32),
