@@ -7,6 +7,9 @@ the target, then through the HTTP layer with the openai client.
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -258,6 +261,8 @@ BAD = [
     ("completions logprobs negative", "/v1/completions", {"logprobs": -1}, "logprobs"),
     ("completions logprobs true", "/v1/completions", {"logprobs": True}, "logprobs"),
     ("completions logprobs a string", "/v1/completions", {"logprobs": "3"}, "logprobs"),
+    ("top_logprobs on completions", "/v1/completions", {"top_logprobs": 2},
+     "top_logprobs"),
     ("echo", "/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
 ]
 
@@ -333,3 +338,18 @@ def test_the_feature_off_adds_no_state_and_no_compute():
   ops = lambda s: str(jax.make_jaxpr(step)(s))
   assert "top_k" not in ops(off) and "log_softmax" not in ops(off)
   assert "top_k" in ops(on)
+
+
+def test_the_server_flag_sets_the_slots_width():
+  """--max_logprobs is OnlineConfig.max_logprobs (the slots' top N and the
+  limit experiments.serve gives the API); beyond OpenAI's 20 it is refused."""
+  script = ("import sys; from absl import flags; from experiments import serve_flags;"
+            " flags.FLAGS(['serve'] + sys.argv[1:]);"
+            " print(serve_flags.online_config().max_logprobs)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda *argv: subprocess.run([sys.executable, "-c", script, *argv], cwd=root,
+                                     capture_output=True, text=True, check=False)
+  assert run("--max_logprobs=3").stdout.split() == ["3"]
+  assert run().stdout.split() == ["20"]
+  refused = run("--max_logprobs=21")
+  assert refused.returncode != 0 and "max_logprobs" in refused.stderr

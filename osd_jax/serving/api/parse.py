@@ -135,16 +135,20 @@ def _logprobs(body: dict, limits: Limits, chat: bool) -> int | None:
       return None
     name, n = ("logprobs", 0) if n is None else ("top_logprobs", n)
   else:
+    if body.get("top_logprobs") is not None:
+      raise ApiError(400, "top_logprobs is a chat field: /v1/completions takes"
+                     " logprobs N for the top N.", param="top_logprobs")
     name, n = "logprobs", _integer(body, "logprobs", None)
     if n is None:
       return None
   most = _MOST_LOGPROBS[chat]
   if not 0 <= n <= most:
     raise ApiError(400, f"{name} must be in [0, {most}], got {n}.", param=name)
-  if limits.max_logprobs is None or n > limits.max_logprobs:
-    allowed = ("keeps no log-probs" if limits.max_logprobs is None else
-               f"allows at most {limits.max_logprobs} (its max_logprobs)")
-    raise ApiError(400, f"{name}={n}: this server {allowed}.", param=name)
+  if limits.max_logprobs is None:
+    raise ApiError(400, f"{name}: this server keeps no log-probs.", param=name)
+  if n > limits.max_logprobs:
+    raise ApiError(400, f"{name}={n} is beyond this server's max_logprobs"
+                   f" ({limits.max_logprobs}).", param=name)
   return n
 
 
