@@ -99,7 +99,8 @@ def main(argv):
                   vocab_size=target.config.vocab_size, problem=engine.problem,
                   default_max_tokens=engine.default_max_tokens,
                   temperature=sf.TEMPERATURE.value, top_p=sf.TOP_P.value,
-                  top_k=sf.TOP_K.value, max_n=live.num_slots)
+                  top_k=sf.TOP_K.value, max_n=live.num_slots,
+                  max_logprobs=cfg.max_logprobs)
   server = _Server(uvicorn.Config(make_app(engine, limits), log_level="warning",
                                   access_log=False,
                                   timeout_graceful_shutdown=sf.DRAIN_S.value), engine)

@@ -34,6 +34,12 @@ TOP_P = flags.DEFINE_float("top_p", 1.0, "top_p of requests that name none, in (
 flags.register_validator(TOP_P.name, lambda p: p > 0.0, "--top_p must be above 0.")
 TOP_K = flags.DEFINE_integer("top_k", 0, "top_k of requests that name none; 0 = off.",
                              lower_bound=0)
+MAX_LOGPROBS = flags.DEFINE_integer(
+    "max_logprobs", 20, "The most top log-probs a request may ask for (completions'"
+    " logprobs, chat's top_logprobs; 0 allows only the emitted token's). The slots"
+    " keep that many per emitted token, from the target's raw logits (vLLM's"
+    " max_logprobs and raw_logprobs); a request beyond it is a 400.",
+    lower_bound=0, upper_bound=20)
 SEED = flags.DEFINE_integer("seed", 0, "Draws the seeds of requests that bring none.")
 WARM_UP = flags.DEFINE_bool(
     "warm_up", True, "Compile every program before taking requests (/health"
@@ -63,7 +69,7 @@ def online_config() -> online.OnlineConfig:
       k=K.value, sampling=None, max_new_tokens=MAX_TOKENS.value,
       cache_size=CACHE_SIZE.value, steps_per_call=STEPS_PER_CALL.value,
       learn=LEARN.value, batch_k=step_flags.batch_k(),
-      trim_verify=verify_flags.TRIM_VERIFY.value,
+      trim_verify=verify_flags.TRIM_VERIFY.value, max_logprobs=MAX_LOGPROBS.value,
       **learning_flags.online_fields())
 
 

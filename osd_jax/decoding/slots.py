@@ -158,14 +158,16 @@ def init(cfg: SlotConfig) -> SpecState:
 
 def insert_into(target_params, draft_params, state: SpecState, prompt_1xP,
                 prompt_len, budget, slot, key, route=0,
-                sampling: RowSampling | None = None, *, cfg: SlotConfig):
+                sampling: RowSampling | None = None, wants_logprobs=False, *,
+                cfg: SlotConfig):
   """`state` with `slot` holding a freshly prefilled request; also its prompt hidden.
 
   Nothing of the slot's previous request survives: caches, tokens, counters,
   metrics and sampling settings are all overwritten (stale cache positions
   lie past the new length and are never read). Only a drafter that looks up
   served requests keeps the previous one, in its history. `sampling` (one row) is the
-  request's own, read when cfg.sampling is None.
+  request's own, read when cfg.sampling is None. `wants_logprobs` says whether
+  the request asked for log-probs (read only when the state keeps them).
   """
   width = prompt_1xP.shape[1]
   # The request leaving the slot, c_0..c_m (none if the slot never served).
@@ -188,6 +190,8 @@ def insert_into(target_params, draft_params, state: SpecState, prompt_1xP,
       route=state.route.at[slot].set(route),
       sampling=jax.tree.map(lambda x, y: x.at[slot].set(y[0]), state.sampling,
                             one.sampling))
+  if state.logprobs is not None:
+    state = state.replace(logprobs=state.logprobs.with_row(slot, wants_logprobs))
   return state, hidden
 
 

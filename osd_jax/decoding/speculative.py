@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from osd_jax.decoding import sampling as sampling_lib
 from osd_jax.decoding import verify_policy
 from osd_jax.decoding.drafts.base import Context, Proposal, Verified
+from osd_jax.decoding.logprobs import LogProbs
 from osd_jax.decoding.prefill import prefill_hidden
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.widths import at_smallest_width
@@ -67,6 +68,9 @@ class SpecState:
   route: jax.Array  # [B] int32: which draft serves the row (per category)
   # Each row's own sampling settings, used when the step has no static one.
   sampling: RowSampling
+  # The target's log-probs of the emitted tokens, for rows that ask; None:
+  # the feature is off (no arrays, no compute).
+  logprobs: LogProbs | None = None
 
   @property
   def lengths(self) -> jax.Array:
@@ -102,8 +106,12 @@ def row_keys(rng: jax.Array, batch_size: int) -> jax.Array:
 
 
 def empty_state(target_config: LlamaConfig, drafter, *, batch_size: int,
-                cache_size: int, k: int) -> SpecState:
-  """`batch_size` empty (done) rows: the slot engine fills them one by one."""
+                cache_size: int, k: int, max_logprobs: int | None = None) -> SpecState:
+  """`batch_size` empty (done) rows: the slot engine fills them one by one.
+
+  With `max_logprobs` N (not None), the state keeps each emitted token's
+  target log-prob and the top N for the rows that ask (decoding/logprobs.py).
+  """
   b = batch_size
   zeros = lambda: jnp.zeros((b,), jnp.int32)
   return SpecState(
@@ -111,7 +119,8 @@ def empty_state(target_config: LlamaConfig, drafter, *, batch_size: int,
       drafter.init_state(b, cache_size),
       jnp.zeros((b, cache_size), jnp.int32), zeros(), zeros(),
       jnp.ones((b,), bool), row_keys(jax.random.key(0), b), Metrics.zeros(b, k),
-      zeros(), RowSampling.fill(Sampling(), b))
+      zeros(), RowSampling.fill(Sampling(), b),
+      None if max_logprobs is None else LogProbs.empty(b, cache_size, max_logprobs))
 
 
 def start(target_params, draft_params, prompts_BxP, prompt_lens_B, budget_B, rng_B,
@@ -342,6 +351,9 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   kept = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, kept)
   done = state.done | hit_eos | (generated + kept >= state.budget)
   tokens = _write_rows(state.tokens, emitted, kept, m + 1)
+  logprobs = state.logprobs
+  if logprobs is not None:
+    logprobs = logprobs.record(target_logits, emitted, kept, m + 1)
   target_cache = target_cache.with_lengths(m + kept)
   draft = commit_pass(drafter, draft_params, draft,
                       Verified(hidden, verify, emitted, kept, m, ctx.route),
@@ -368,7 +380,8 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
       accepted_by_position=mt.accepted_by_position + by_position(is_accepted),
       proposed_by_position=mt.proposed_by_position + by_position(is_proposed))
   state = state.replace(target_cache=target_cache, draft=draft, tokens=tokens,
-                        done=done, rng=next_keys, metrics=metrics)
+                        done=done, rng=next_keys, metrics=metrics,
+                        logprobs=logprobs)
   result = StepResult(proposal.tokens, proposal.num_proposed, n, emitted, kept,
                       alpha, is_verified, active, m + 1, target_logits, hidden)
   return state, result

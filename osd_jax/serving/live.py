@@ -37,7 +37,7 @@ from osd_jax.serving import distributed, online, program_maps
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.learning_budget import LearningBudget
 from osd_jax.serving.live_request import (Failed, Finished, LiveRequest, RequestStats,
-                                          Tokens)
+                                          TokenLogprob, Tokens)
 from osd_jax.serving.server_metrics import ServerMetrics
 
 _IDLE_WAIT_S = 0.5  # how long an idle engine sleeps between looks at its queue
@@ -166,6 +166,10 @@ class LiveEngine:
                               " programs are compiled (/health answers 200).")
     if not self._accepting or not self.healthy:
       raise EngineUnavailable(self.failure or "The server is shutting down.")
+    asked, most = request.params.logprobs, self.cfg.max_logprobs
+    if asked is not None and (most is None or not 0 <= asked <= most):
+      raise ValueError(f"This engine keeps the top {most} log-probs; a request"
+                       f" asked for {asked}.")
     self._commands.put(("request", request))
 
   def export(self, name: str) -> concurrent.futures.Future:
@@ -267,7 +271,13 @@ class LiveEngine:
         rows(jax.random.wrap_key_data(np.zeros((devices,) + self._key_shape,
                                                np.uint32))),
         rows(RowSampling(np.zeros(devices, np.float32), np.zeros(devices, np.int32),
-                         np.ones(devices, np.float32)))))
+                         np.ones(devices, np.float32))),
+        *self._logprobs_input(np.zeros(devices, bool))))
+
+  def _logprobs_input(self, wants: np.ndarray) -> tuple:
+    """The insert program's last input, which it takes only where the slots
+    keep log-probs."""
+    return () if self.cfg.max_logprobs is None else (self._rows(wants),)
 
   def _run(self, warm_up: bool) -> None:
     try:
@@ -368,6 +378,7 @@ class LiveEngine:
       key_data = np.zeros((devices,) + self._key_shape, np.uint32)
       temperature, top_p = np.zeros(devices, np.float32), np.ones(devices, np.float32)
       top_k = np.zeros(devices, np.int32)
+      wants_logprobs = np.zeros(devices, bool)
       for device, local, request in picks:
         n, p = len(request.prompt_ids), request.params
         prompts[device, :n] = request.prompt_ids
@@ -376,13 +387,15 @@ class LiveEngine:
         key_data[device] = jax.random.key_data(jax.random.key(seed % (1 << 32)))
         temperature[device], top_k[device], top_p[device] = (p.temperature, p.top_k,
                                                              p.top_p)
+        wants_logprobs[device] = p.logprobs is not None
         s = device * per_device + local
         self._owner[s], self._lengths[s] = request, n - 1
       rows = self._rows
       self._state = self._step.insert(
           self._target_params, self._state, rows(prompts), rows(lens), rows(budgets),
           rows(slot), rows(routes), rows(jax.random.wrap_key_data(key_data)),
-          rows(RowSampling(temperature, top_k, top_p)))
+          rows(RowSampling(temperature, top_k, top_p)),
+          *self._logprobs_input(wants_logprobs))
 
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
@@ -404,13 +417,18 @@ class LiveEngine:
                           int(updates.sum()) > self._counts[0])
     self._lengths = lengths.astype(np.int64)
     self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
+    # Fetched only in calls where some request asked: each is [slots, S, N].
+    logprobs = (distributed.gather(slots.logprobs) if any(
+        self._owner[s].params.logprobs is not None for s in occupied) else None)
     finished = []
     for s in occupied:
       request, start = self._owner[s], int(prompt_lens[s])
       generated = int(lengths[s] + 1 - prompt_lens[s])
       if generated > request.sent and not request.cancelled:
-        request.on_event(Tokens([int(t) for t in
-                                 tokens[s, start + request.sent:start + generated]]))
+        new = slice(start + request.sent, start + generated)
+        request.on_event(Tokens([int(t) for t in tokens[s, new]],
+                                _token_logprobs(logprobs, s, new,
+                                                request.params.logprobs)))
         request.sent = generated
       if done[s]:
         finished.append((s, generated))
@@ -497,6 +515,19 @@ class LiveEngine:
     loading.save_hf(LoadedModel(model.config, params, self.target.tokenizer,
                                 f"online draft of {self.draft.source}"), path)
     return path
+
+
+def _token_logprobs(logprobs, s: int, positions: slice,
+                    top_n: int | None) -> list[TokenLogprob] | None:
+  """Slot s's log-probs at `positions`, with its request's top_n (None: it
+  did not ask)."""
+  if top_n is None:
+    return None
+  return [TokenLogprob(float(lp), tuple(zip(ids[:top_n].tolist(),
+                                            top[:top_n].tolist())))
+          for lp, ids, top in zip(logprobs.token[s, positions],
+                                  logprobs.top_ids[s, positions],
+                                  logprobs.top[s, positions])]
 
 
 def _exportable(drafter) -> ModelDraft | None:

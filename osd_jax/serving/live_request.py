@@ -23,6 +23,9 @@ class RequestParams:
   top_k: int = 0  # 0 = off
   top_p: float = 1.0  # 1 = off
   seed: int | None = None  # None: the server draws one
+  # N: each token comes with the target's log-prob of it and its top N
+  # (vLLM's raw_logprobs, decoding/logprobs.py); None: no log-probs.
+  logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +58,19 @@ class RequestStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """The target's log-prob of one emitted token, and its N likeliest tokens there."""
+
+  logprob: float
+  top: tuple[tuple[int, float], ...]  # (token id, log-prob), likeliest first
+
+
+@dataclasses.dataclass(frozen=True)
 class Tokens:
   """Token ids the request got in one engine call (a token group)."""
 
   ids: list[int]
+  logprobs: list[TokenLogprob] | None = None  # one per id, if the request asked
 
 
 @dataclasses.dataclass(frozen=True)

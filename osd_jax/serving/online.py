@@ -88,6 +88,10 @@ class OnlineConfig:
   # After each update, a gated hybrid's gate takes the new draft's acceptance
   # on what the update trained on (drafts/gate.py, Gate.reestimated).
   reestimate_gate: bool = True
+  # N: the slots keep each emitted token's target log-prob and its top N, for
+  # the requests that ask (decoding/logprobs.py); None: they keep none, and
+  # every program is as without the feature.
+  max_logprobs: int | None = None
   distill: update.DistillConfig = update.DistillConfig()
 
   def __post_init__(self):
@@ -120,6 +124,8 @@ class OnlineConfig:
     if self.train_len > self.cache_size:
       raise ValueError(f"train_len {self.train_len} is longer than a slot"
                        f" (cache_size {self.cache_size}).")
+    if self.max_logprobs is not None and self.max_logprobs < 0:
+      raise ValueError(f"max_logprobs must be >= 0 or None, got {self.max_logprobs}.")
     if self.max_new_tokens + self.k + 1 > self.cache_size:
       raise ValueError(f"cache_size {self.cache_size} cannot hold max_new_tokens"
                        f" {self.max_new_tokens} + k {self.k} after a prompt.")
@@ -193,7 +199,7 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
   hidden_dim = target_config.hidden_dim if drafter.needs_hidden else 0
   slots = speculative.empty_state(target_config, multi(drafter, cfg),
                                   batch_size=num_slots, cache_size=cfg.cache_size,
-                                  k=cfg.k)
+                                  k=cfg.k, max_logprobs=cfg.max_logprobs)
   prompt_cache = learning.kept_prompts(cfg, drafter, slots.draft[0])
   one = Buffer.empty(cfg.buffer_capacity, cfg.sample_len, cfg.max_new_tokens,
                      cfg.teacher_k, hidden_dim, prompt_cache)
@@ -216,11 +222,13 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
 
 
 def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1,
-           slot_1, route_1, key_1, sampling_1: RowSampling, *, target_config,
-           drafter, cfg: OnlineConfig):
+           slot_1, route_1, key_1, sampling_1: RowSampling, wants_logprobs_1=None, *,
+           target_config, drafter, cfg: OnlineConfig):
   """One device: a new request into local slot `slot` (none when slot < 0).
 
-  `sampling_1` is the request's own sampling, used when cfg.sampling is None.
+  `sampling_1` is the request's own sampling, used when cfg.sampling is None;
+  `wants_logprobs_1` whether it asks for log-probs (an input only when
+  cfg.max_logprobs is set).
   """
   drafter = multi(drafter, cfg)
   slot_cfg = cfg.slots(target_config, drafter, state.slots.done.shape[0])
@@ -231,7 +239,8 @@ def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1
   def admit(state):
     slots, hidden = slot_lib.insert_into(
         target_params, draft_params, state.slots, prompt_1xP, prompt_len_1[0],
-        budget_1[0], slot, key_1[0], route_1[0], sampling_1, cfg=slot_cfg)
+        budget_1[0], slot, key_1[0], route_1[0], sampling_1,
+        False if wants_logprobs_1 is None else wants_logprobs_1[0], cfg=slot_cfg)
     records = state.records
     if cfg.learn:
       records = records.with_prompt(slot, hidden, key_1[0])
@@ -307,9 +316,12 @@ class Step:
     self.mesh, self.cfg = mesh, cfg
     self.statics = dict(target_config=target_config, drafter=drafter, cfg=cfg)
     row = P(AXIS)
+    # Whether each request asks for log-probs is an input only where the
+    # slots keep them: elsewhere the program is as it was.
+    rows = 7 if cfg.max_logprobs is None else 8
     self.insert = jax.jit(jax.shard_map(
         functools.partial(insert, **self.statics), mesh=mesh,
-        in_specs=(P(), _STATE_SPECS, row, row, row, row, row, row, row),
+        in_specs=(P(), _STATE_SPECS) + (row,) * rows,
         out_specs=_STATE_SPECS, check_vma=False), donate_argnums=(1,))
     self._serve = {}
     # The flags as the programs take them, placed once, not every call.

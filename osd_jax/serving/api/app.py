@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from osd_jax.serving.api import wire
+from osd_jax.serving.api.logprobs import Entry, LogprobStream
 from osd_jax.serving.api.parse import Limits, Parsed, parse
 from osd_jax.serving.api.text import TextStream
 from osd_jax.serving.api.wire import ApiError
@@ -44,18 +45,27 @@ class _Channel:
 
 
 class _Run:
-  """One request from its handler's side: text so far, and how it ended."""
+  """One request from its handler's side: text so far, its log-probs if it
+  asked, and how it ended."""
 
-  def __init__(self, live: LiveRequest, text: TextStream):
-    self.live, self.text = live, text
+  def __init__(self, live: LiveRequest, text: TextStream,
+               logprobs: LogprobStream | None = None):
+    self.live, self.text, self.logprobs = live, text, logprobs
     self.finish_reason: str | None = None
     self.stats = None
+
+  def released(self) -> list[Entry] | None:
+    """Log-prob entries of the tokens whose text went out since the last
+    call (None: the request did not ask)."""
+    return None if self.logprobs is None else self.logprobs.take()
 
   def take(self, event) -> str:
     """The text an event settles; raises ApiError if the engine failed the request."""
     if isinstance(event, Failed):
       raise ApiError(503, event.message, kind="server_error")
     if isinstance(event, Tokens):
+      if self.logprobs is not None:
+        self.logprobs.add(event.ids, event.logprobs)
       delta = self.text.add(event.ids)
       if self.text.stop_tokens is not None and not self.live.cancelled:
         self.live.cancel(self.text.stop_tokens)  # the slot can go
@@ -117,7 +127,9 @@ def make_app(engine: LiveEngine, limits: Limits) -> Starlette:
       except EngineUnavailable as e:
         cancel_all()
         return _error(ApiError(503, str(e), kind="server_error"))
-      runs.append(_Run(live, TextStream(limits.tokenizer, eos_id, parsed.stops)))
+      text = TextStream(limits.tokenizer, eos_id, parsed.stops)
+      runs.append(_Run(live, text, None if params.logprobs is None else
+                       LogprobStream(limits.tokenizer, text)))
     shape = wire.Shape(limits.model, chat)
     if parsed.stream:
       return _EventStream(_stream(runs, queue, shape, parsed), cancel_all)
@@ -200,8 +212,9 @@ async def _stream(runs: list[_Run], queue: asyncio.Queue, shape: wire.Shape,
     while any(run.finish_reason is None for run in runs):
       i, event = await queue.get()
       delta = runs[i].take(event)
-      if delta:
-        yield wire.sse(shape.chunk(delta, index=i))
+      entries = runs[i].released()
+      if delta or entries:
+        yield wire.sse(shape.chunk(delta, index=i, entries=entries))
       if runs[i].finish_reason is not None:
         yield wire.sse(shape.chunk(None, runs[i].finish_reason, index=i))
   except ApiError as e:
@@ -217,6 +230,7 @@ async def _whole(request: Request, runs: list[_Run], queue: asyncio.Queue,
                  shape: wire.Shape):
   """The whole answer; a client that hangs up meanwhile cancels its request."""
   parts = [[] for _ in runs]
+  entries = [None if run.logprobs is None else [] for run in runs]
   try:
     while any(run.finish_reason is None for run in runs):
       try:
@@ -228,6 +242,8 @@ async def _whole(request: Request, runs: list[_Run], queue: asyncio.Queue,
           return PlainTextResponse("", status_code=499)  # nobody reads it
         continue
       parts[i].append(runs[i].take(event))
+      if entries[i] is not None:
+        entries[i].extend(runs[i].released())
   except ApiError as e:
     return _error(e)
   finally:
@@ -236,4 +252,4 @@ async def _whole(request: Request, runs: list[_Run], queue: asyncio.Queue,
         run.live.cancel()  # the handler itself was cancelled (shutdown)
   return JSONResponse(shape.response(["".join(p) for p in parts],
                                      [run.finish_reason for run in runs],
-                                     [run.stats for run in runs]))
+                                     [run.stats for run in runs], entries))

@@ -29,6 +29,7 @@ class Limits:
   top_p: float = 1.0
   top_k: int = 0
   max_n: int = 1  # the most choices a request may ask for (the engine's slots)
+  max_logprobs: int | None = None  # the most top log-probs (None: none kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,8 @@ class Parsed:
 
 
 # Options the server cannot honour, with the value that means "not used".
-_UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None, "logprobs": None,
-                "top_logprobs": None, "logit_bias": None, "presence_penalty": 0,
+_UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None,
+                "logit_bias": None, "presence_penalty": 0,
                 "frequency_penalty": 0, "tools": None, "functions": None,
                 "tool_choice": None, "function_call": None}
 
@@ -110,9 +111,45 @@ def parse(raw: bytes, limits: Limits, *, chat: bool) -> Parsed:
     raise ApiError(400, "stream_options must be {'include_usage': bool}.",
                    param="stream_options")
   params = RequestParams(max_tokens=max_tokens, temperature=temperature,
-                         top_k=max(top_k, 0), top_p=top_p, seed=seed)
+                         top_k=max(top_k, 0), top_p=top_p, seed=seed,
+                         logprobs=_logprobs(body, limits, chat))
   return Parsed(ids, params, _stops(body), stream, bool(options.get("include_usage")),
                 n)
+
+
+# OpenAI's ranges: completions' `logprobs` is the top N, chat's `top_logprobs`.
+_MOST_LOGPROBS = {False: 5, True: 20}
+
+
+def _logprobs(body: dict, limits: Limits, chat: bool) -> int | None:
+  """The top N log-probs a request asks for, or None if it asks for none."""
+  if chat:
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+      raise ApiError(400, f"logprobs must be true or false, got {asked!r} (the"
+                     " number of top tokens is top_logprobs).", param="logprobs")
+    n = _integer(body, "top_logprobs", None)
+    if n is not None and not asked:
+      raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    if not asked:
+      return None
+    name, n = ("logprobs", 0) if n is None else ("top_logprobs", n)
+  else:
+    if body.get("top_logprobs") is not None:
+      raise ApiError(400, "top_logprobs is a chat field: /v1/completions takes"
+                     " logprobs N for the top N.", param="top_logprobs")
+    name, n = "logprobs", _integer(body, "logprobs", None)
+    if n is None:
+      return None
+  most = _MOST_LOGPROBS[chat]
+  if not 0 <= n <= most:
+    raise ApiError(400, f"{name} must be in [0, {most}], got {n}.", param=name)
+  if limits.max_logprobs is None:
+    raise ApiError(400, f"{name}: this server keeps no log-probs.", param=name)
+  if n > limits.max_logprobs:
+    raise ApiError(400, f"{name}={n} is beyond this server's max_logprobs"
+                   f" ({limits.max_logprobs}).", param=name)
+  return n
 
 
 def _integer(body: dict, name: str, default):

@@ -18,6 +18,7 @@ class TextStream:
     self.text = ""  # everything handed out so far
     self.closed = False  # EOS, a stop string or finish(): no more text
     self.stop_tokens: int | None = None  # tokens through a matched stop string
+    self.ended_by_eos = False
 
   def add(self, ids: list[int]) -> str:
     """The text these tokens settle (maybe empty); nothing once closed."""
@@ -25,6 +26,7 @@ class TextStream:
       return ""
     if self._eos_id in ids:
       self.ids.extend(ids[:ids.index(self._eos_id)])
+      self.ended_by_eos = True
       return self.finish()
     before = len(self.ids)
     self.ids.extend(ids)

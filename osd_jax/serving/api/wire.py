@@ -5,6 +5,7 @@ import math
 import time
 import uuid
 
+from osd_jax.serving.api import logprobs as logprobs_lib
 from osd_jax.serving.live_request import RequestStats
 
 
@@ -74,30 +75,43 @@ class Shape:
     return {"id": self.id, "object": kind, "created": self.created,
             "model": self.model, "choices": choices, **extra}
 
+  def logprobs(self, entries: list[logprobs_lib.Entry] | None) -> dict | None:
+    """A choice's `logprobs` field (None: the request did not ask)."""
+    if entries is None:
+      return None
+    return logprobs_lib.chat(entries) if self.chat else logprobs_lib.completion(entries)
+
   def response(self, texts: list[str], finish_reasons: list[str],
-               stats: list[RequestStats]) -> dict:
-    """The whole answer of a request that did not stream: a choice per text."""
+               stats: list[RequestStats],
+               entries: list[list[logprobs_lib.Entry] | None] | None = None) -> dict:
+    """The whole answer of a request that did not stream: a choice per text,
+    with its log-prob entries if the request asked."""
+    entries = entries or [None] * len(texts)
     if self.chat:
       choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": reason}
-                 for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+                  "logprobs": self.logprobs(e), "finish_reason": reason}
+                 for i, (text, reason, e) in enumerate(zip(texts, finish_reasons,
+                                                           entries))]
       return self._envelope("chat.completion", choices, usage=usage(stats))
-    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-               for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+    choices = [{"index": i, "text": text, "logprobs": self.logprobs(e),
+                "finish_reason": reason}
+               for i, (text, reason, e) in enumerate(zip(texts, finish_reasons,
+                                                         entries))]
     return self._envelope("text_completion", choices, usage=usage(stats))
 
   def chunk(self, text: str | None, finish_reason: str | None = None,
-            first: bool = False, index: int = 0) -> dict:
-    """One streamed token group (text) or the closing chunk (finish_reason)
-    of choice `index`."""
+            first: bool = False, index: int = 0,
+            entries: list[logprobs_lib.Entry] | None = None) -> dict:
+    """One streamed token group (text, and the log-prob entries of its
+    tokens) or the closing chunk (finish_reason) of choice `index`."""
     if self.chat:
       delta = {} if text is None else {"content": text}
       if first:
         delta["role"] = "assistant"
-      choice = {"index": index, "delta": delta, "logprobs": None,
+      choice = {"index": index, "delta": delta, "logprobs": self.logprobs(entries),
                 "finish_reason": finish_reason}
       return self._envelope("chat.completion.chunk", [choice])
-    choice = {"index": index, "text": text or "", "logprobs": None,
+    choice = {"index": index, "text": text or "", "logprobs": self.logprobs(entries),
               "finish_reason": finish_reason}
     return self._envelope("text_completion", [choice])
 
