@@ -7,11 +7,14 @@ draft, at a few concurrency levels.
 
 Starts `experiments.serve` once per run, with its own draft defaults: --k=0
 (the target alone), --nolearn (the draft stays as it started) and learning
-on, the last two with k at every batch or with --batch_k (fewer draft
+on, the last two verifying only the drafted positions that pay at the
+costs the server measures at start-up (--position_costs=auto), every
+drafted position (static_every_position), or with --batch_k (fewer draft
 tokens per step in larger batches). Every program is compiled before a
 server listens. Each gets the same shifting query stream (chat endpoint,
-streamed, greedy) at each concurrency level: a closed loop of that many
-clients. Reports throughput (generated tokens/s) and its ratio to the target-only server at the same level, P50/P99
+streamed, greedy) at each load level: a closed loop of that many clients
+(--concurrency), or requests arriving as a Poisson process of a given rate
+whatever is in flight (--arrival_rates, open loop). Reports throughput (generated tokens/s) and its ratio to the target-only server at the same level, P50/P99
 time to first token and inter-token latency (per request: the time between
 its first and last token over its tokens - 1), and alpha: the level's mean
 over its requests and the server's rolling alpha when the level ends.
@@ -32,7 +35,13 @@ from experiments import cli
 from experiments.server_process import ServerProcess
 from osd_jax.data import streams
 
-CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "8"], "Clients in flight.")
+CONCURRENCY = flags.DEFINE_list(
+    "concurrency", ["1", "4", "8"], "Clients in flight (closed loop), one level each;"
+    " with --arrival_rates, ignored.")
+ARRIVAL_RATES = flags.DEFINE_list(
+    "arrival_rates", [], "Open loop instead: requests a second, one level each,"
+    " arriving as a Poisson process whatever is in flight (vLLM's"
+    " benchmark_serving --request-rate).")
 cli.require_positive_ints(CONCURRENCY)
 REQUESTS = flags.DEFINE_integer("requests", 16, "Requests per concurrency level.")
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
@@ -74,8 +83,11 @@ async def _request(client, question: str, record: list) -> None:
                  "tokens": tokens, "alpha": usage.model_extra["alpha"]})
 
 
-async def _level(url: str, questions: list[str], concurrency: int) -> dict:
-  """The questions through `concurrency` closed-loop clients; latency and speed."""
+async def _level(url: str, questions: list[str], concurrency: int,
+                 rate: float = 0.0, seed: int = 0) -> dict:
+  """The questions through `concurrency` closed-loop clients, or (`rate` > 0)
+  arriving as a Poisson process of that many requests a second, each sent
+  when it arrives whatever is in flight; latency and speed."""
   client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
                               timeout=600)
   todo = list(reversed(questions))
@@ -85,8 +97,16 @@ async def _level(url: str, questions: list[str], concurrency: int) -> dict:
     while todo:
       await _request(client, todo.pop(), records)
 
+  async def arriving(question, at):
+    await asyncio.sleep(at)
+    await _request(client, question, records)
+
   start = time.perf_counter()
-  await asyncio.gather(*(worker() for _ in range(concurrency)))
+  if rate > 0:
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(questions))
+    await asyncio.gather(*(arriving(q, at) for q, at in zip(questions, np.cumsum(gaps))))
+  else:
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
   seconds = time.perf_counter() - start
   await client.close()
   refused = sum(1 for r in records if r.get("refused"))
@@ -100,15 +120,20 @@ async def _level(url: str, questions: list[str], concurrency: int) -> dict:
 
 
 # Each run's server flags: the target alone, the draft frozen, the draft
-# learning; and those two drafting fewer tokens in larger batches.
+# learning (each row verifying the drafted positions that pay, at the
+# costs the server measures); the frozen draft verifying every drafted
+# position; and the two drafting fewer tokens in larger batches.
 RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"],
+        "static_every_position": ["--nolearn", "--position_costs=off"],
         "static_batch_k": ["--nolearn"], "online_batch_k": ["--learn"]}
 RUN_NAMES = flags.DEFINE_list(
-    "runs", ["target", "static", "static_batch_k", "online_batch_k"],
+    "runs", ["target", "static", "static_every_position", "online"],
     f"Servers to run, in order, of {list(RUNS)}.")
 
 
-def _serve(name: str, levels: list[int], questions: list[str], workdir: str) -> list[dict]:
+def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
+           workdir: str) -> list[dict]:
+  """One server's results at each (clients, arrival rate) level."""
   draft = [] if name == "target" else [f"--k={K.value}"]
   draft.append(f"--batch_k={BATCH_K.value if name.endswith('_batch_k') else ''}")
   server = ServerProcess(
@@ -122,31 +147,36 @@ def _serve(name: str, levels: list[int], questions: list[str], workdir: str) -> 
     server.wait_ready(START_TIMEOUT.value)
     print(f"[{name}] server ready in {time.perf_counter() - start:.0f} s", flush=True)
     results = []
-    for i, concurrency in enumerate(levels):
+    for i, (concurrency, rate) in enumerate(levels):
       n = REQUESTS.value
       before = server.metrics()
-      result = asyncio.run(_level(server.url, questions[i * n:(i + 1) * n], concurrency))
+      result = asyncio.run(_level(server.url, questions[i * n:(i + 1) * n], concurrency,
+                                  rate, seed=i))
       after = server.metrics()
       result.update(run=name, rolling_alpha=after["osd:rolling_alpha"],
+                    arrival_rate=rate, level=_level_name(concurrency, rate),
                     updates=after["osd:draft_updates_total"]
                     - before["osd:draft_updates_total"])
       results.append(result)
-      print(f"[{name}] concurrency {concurrency}:"
-            f" {result['tokens_per_s']:.1f} tokens/s", flush=True)
+      print(f"[{name}] {result['level']}: {result['tokens_per_s']:.1f} tokens/s",
+            flush=True)
     return results
   finally:
     server.stop()
 
 
+def _level_name(concurrency: int, rate: float) -> str:
+  return f"{rate:g} req/s" if rate > 0 else f"{concurrency} clients"
+
+
 def _table(results: list[dict]) -> str:
-  base = {r["concurrency"]: r["tokens_per_s"] for r in results if r["run"] == "target"}
-  head = ("| run | clients | requests | tokens/s | vs target | TTFT P50 / P99 ms |"
+  base = {r["level"]: r["tokens_per_s"] for r in results if r["run"] == "target"}
+  head = ("| run | load | requests | tokens/s | vs target | TTFT P50 / P99 ms |"
           " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |")
   rows = [head, "|" + "---|" * 10]
   for r in results:
-    ratio = r["tokens_per_s"] / base[r["concurrency"]] if r["concurrency"] in base \
-        else float("nan")
-    rows.append(f"| {r['run']} | {r['concurrency']} | {r['requests']} |"
+    ratio = r["tokens_per_s"] / base[r["level"]] if r["level"] in base else float("nan")
+    rows.append(f"| {r['run']} | {r['level']} | {r['requests']} |"
                 f" {r['tokens_per_s']:.1f} | {ratio:.2f}x |"
                 f" {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
                 f" {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['alpha']:.3f} |"
@@ -156,7 +186,17 @@ def _table(results: list[dict]) -> str:
 
 def main(argv):
   del argv
-  levels = [int(c) for c in CONCURRENCY.value]
+  try:
+    rates = [float(r) for r in ARRIVAL_RATES.value]
+  except ValueError as e:
+    raise app.UsageError(f"--arrival_rates takes numbers: {e}") from e
+  if any(not 0 < r < float("inf") for r in rates):
+    raise app.UsageError(f"--arrival_rates must be positive, got {rates}.")
+  if rates and CONCURRENCY.present:
+    raise app.UsageError("Pass --concurrency (closed loop) or --arrival_rates"
+                         " (open loop), not both.")
+  levels = ([(0, r) for r in rates] if rates else
+            [(int(c), 0.0) for c in CONCURRENCY.value])
   total = REQUESTS.value * len(levels)
   queries = streams.make_stream("shift", DOMAINS.value, total, seed=0)
   questions = [q.prompt for q in queries]
