@@ -20,6 +20,7 @@ from osd_jax.decoding import verify_policy
 from osd_jax.decoding.drafts.base import Context, Proposal, Verified
 from osd_jax.decoding.logprobs import LogProbs
 from osd_jax.decoding.prefill import prefill_hidden
+from osd_jax.decoding.row_writes import write_rows
 from osd_jax.decoding.sampling import RowSampling, Sampling
 from osd_jax.decoding.widths import at_smallest_width
 from osd_jax.models import llama, packing
@@ -196,22 +197,6 @@ def _accept_sampled(proposal: Proposal, p, q, keys_B, is_real):
   return n, jax.vmap(sampling_lib.categorical)(residual_keys, jnp.log(residual))
 
 
-def _write_rows(tokens_BxS, new_BxC, counts_B, starts_B):
-  """tokens[b, starts[b] + c] = new[b, c] for c < counts[b]; nothing else changes.
-
-  The rest of the written window is read back first, so a finished row whose
-  start XLA clamps (near the end of its slot) keeps its tokens.
-  """
-  c = new_BxC.shape[1]
-
-  def put(row, new, count, start):
-    old = jax.lax.dynamic_slice(row, (start,), (c,))
-    new = jnp.where(jnp.arange(c) < count, new.astype(row.dtype), old)
-    return jax.lax.dynamic_update_slice(row, new, (start,))
-
-  return jax.vmap(put)(tokens_BxS, new_BxC, counts_B, starts_B)
-
-
 def verify_widths(k: int) -> tuple[int, ...]:
   """Widths a trimmed verification may take: every one from 1 to k + 1."""
   return tuple(range(1, k + 2))
@@ -350,7 +335,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   hit_eos = is_eos.any(axis=1)
   kept = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, kept)
   done = state.done | hit_eos | (generated + kept >= state.budget)
-  tokens = _write_rows(state.tokens, emitted, kept, m + 1)
+  tokens = write_rows(state.tokens, emitted, kept, m + 1)
   logprobs = state.logprobs
   if logprobs is not None:
     logprobs = logprobs.record(target_logits, emitted, kept, m + 1)
