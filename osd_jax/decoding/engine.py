@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osd_jax import progress
 from osd_jax.checkpoints import draft as draft_lib
 from osd_jax.checkpoints import tokenizer as tokenizers
 from osd_jax.checkpoints.loading import LoadedModel
@@ -140,8 +141,10 @@ class Engine:
     return self._prepared
 
   def generate_ids(self, prompt_ids: list[list[int]], seed: int = 0,
-                   max_new_tokens: int | None = None) -> list[Result]:
-    """Serves every prompt (in order of the list) with continuous batching."""
+                   max_new_tokens: int | None = None,
+                   progress_desc: str | None = None) -> list[Result]:
+    """Serves every prompt (in order of the list) with continuous batching;
+    with `progress_desc`, under a progress bar of that name."""
     budget = max_new_tokens or self.max_new_tokens
     for ids in prompt_ids:
       self.check(ids, budget)
@@ -157,6 +160,8 @@ class Engine:
     timing = [{"arrival": time.perf_counter()} for _ in prompt_ids]
     results: list[Result | None] = [None] * len(prompt_ids)
     self.totals = None
+    bar = progress.bar(len(prompt_ids) if progress_desc else 0, progress_desc or "",
+                       "requests")
     while queue or any(o is not None for o in owner):
       for slot in range(self.num_slots):
         if owner[slot] is None and queue:
@@ -184,6 +189,8 @@ class Engine:
         if done[slot]:
           results[index] = self._result(state, slot, timing[index], now)
           owner[slot] = None
+          bar.update(1)
+    bar.close()
     return results
 
   def _result(self, state, slot: int, timing: dict, now: float) -> Result:

@@ -289,7 +289,8 @@ def static_alpha(target_params, target_config: LlamaConfig, draft_params,
   draft = Draft(ModelDraft(draft_config), draft_params, "draft")
   engine = Engine(target, draft, k=k, sampling=sampling,
                   max_new_tokens=max_new_tokens, num_slots=batch_size)
-  results = engine.generate_ids([list(prompt_ids[i]) for i in keep], seed) if keep else []
+  results = engine.generate_ids([list(prompt_ids[i]) for i in keep], seed,
+                                 progress_desc="scoring the draft") if keep else []
   sums = {name: sum(r.metrics[name] for r in results)
           for name in ("proposed", "accepted", "target_calls")}
   emitted = sum(len(r.token_ids) for r in results)
