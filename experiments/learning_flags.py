@@ -16,6 +16,14 @@ MINIBATCH = flags.DEFINE_integer(
     " ring (all devices' rings together): the ring is replayed, at a cost set"
     " by --update_steps x --minibatch; 0: every step over the whole buffer.",
     lower_bound=0)
+UPDATE_STEPS_PER_CALL = flags.DEFINE_integer(
+    "update_steps_per_call", 0, "Split each update over serve calls, at most"
+    " this many of its optimizer steps in each: every stream in flight waits"
+    " for a few steps at a time instead of a whole update (a smaller stall of"
+    " inter-token latency), and the update ends some calls later, training"
+    " also on requests that finish meanwhile. Needs --minibatch replay from"
+    " the kept ring (--keep_buffer); 0: a whole update in one call.",
+    lower_bound=0)
 SHIFT_STEPS = flags.DEFINE_integer(
     "shift_steps", 0, "A reaction to a shift: extra optimizer steps in an update"
     " whose loss before it exceeds --shift_ratio x the running mean of those"
@@ -30,6 +38,12 @@ KEEP_BUFFER = flags.DEFINE_bool(
     "keep_buffer", True, "Keep the ring buffer after an update, so each sample"
     " is seen capacity / update_interval times (the paper clears it:"
     " --nokeep_buffer --buffer_capacity=8).")
+flags.register_multi_flags_validator(
+    [UPDATE_STEPS_PER_CALL.name, MINIBATCH.name, KEEP_BUFFER.name],
+    lambda f: not f[UPDATE_STEPS_PER_CALL.name] or (f[MINIBATCH.name] > 0
+                                                     and f[KEEP_BUFFER.name]),
+    "--update_steps_per_call needs --minibatch > 0 and --keep_buffer: each step"
+    " draws anew from the ring.")
 TRAIN_LEN = flags.DEFINE_integer(
     "train_len", 0, "Positions of a buffered sample (0: --cache_size); longer"
     " requests are served but not learnt from.")
@@ -76,7 +90,8 @@ def online_fields(**distill_extra) -> dict:
   DistillConfig fields of the caller's own flags (a schedule, say)."""
   return dict(
       train_len=TRAIN_LEN.value, update_interval=UPDATE_INTERVAL.value,
-      update_steps=UPDATE_STEPS.value, minibatch=MINIBATCH.value,
+      update_steps=UPDATE_STEPS.value,
+      update_steps_per_call=UPDATE_STEPS_PER_CALL.value, minibatch=MINIBATCH.value,
       shift_steps=SHIFT_STEPS.value, shift_ratio=SHIFT_RATIO.value,
       buffer_capacity=BUFFER_CAPACITY.value,
       clear_after_update=not KEEP_BUFFER.value, teacher_k=TEACHER_TOPK.value,

@@ -127,22 +127,48 @@ def distill(drafter, target_params, target_config: LlamaConfig, params, opt_stat
   """
   if minibatch and key is None:
     raise ValueError("Minibatch replay draws with a key: pass one.")
+  run = lambda cut: functools.partial(
+      _distill, drafter, target_params, target_config, buffer=cut,
+      cfg=cfg, steps=steps, minibatch=minibatch, key=key, extra_steps=extra_steps,
+      extra_above=extra_above, axis_name=axis_name)
+  return _at_needed_length(buffer, axis_name, run, params, opt_state)
+
+
+def distill_part(drafter, target_params, target_config: LlamaConfig, params,
+                 opt_state, buffer: Buffer, cfg: update.DistillConfig, *,
+                 done: jax.Array, first_loss: jax.Array, max_steps: int,
+                 steps: int, minibatch: int, key: jax.Array,
+                 extra_steps: int = 0, extra_above: jax.Array | float = jnp.inf,
+                 axis_name: str | None = None):
+  """Up to `max_steps` more steps of the minibatch update `distill` would take
+  (same steps, same draws), of which `done` are taken and whose first loss
+  is `first_loss` (anything before its first step): (params, opt_state, first
+  loss, skipped steps, steps done). An update split so over several calls
+  ends where `distill` ends, if the ring did not change in between.
+  """
+  run = lambda cut: lambda p, o: _steps(
+      _one_step(drafter, target_params, target_config, cut, cfg, minibatch, key,
+                axis_name), p, o, done=done, first_loss=first_loss,
+      max_steps=max_steps, steps=steps, extra_steps=extra_steps,
+      extra_above=extra_above)
+  return _at_needed_length(buffer, axis_name, run, params, opt_state)
+
+
+def _at_needed_length(buffer: Buffer, axis_name, run, *operands):
+  """run(buffer cut to the shortest of _LENGTHS holding every sample)(*operands)."""
   size = buffer.tokens.shape[1]
   lengths = [n for n in _LENGTHS if n < size] + [size]
   need = buffer.needed_length()
   if axis_name is not None:  # every device must take the same branch
     need = jax.lax.pmax(need, axis_name)
   branch = jnp.searchsorted(jnp.asarray(lengths), need)
-  run = lambda n: functools.partial(
-      _distill, drafter, target_params, target_config, buffer=buffer.truncated(n),
-      cfg=cfg, steps=steps, minibatch=minibatch, key=key, extra_steps=extra_steps,
-      extra_above=extra_above, axis_name=axis_name)
-  return jax.lax.switch(branch, [run(n) for n in lengths], params, opt_state)
+  return jax.lax.switch(branch, [run(buffer.truncated(n)) for n in lengths],
+                        *operands)
 
 
-def _distill(drafter, target_params, target_config, params, opt_state, *, buffer,
-             cfg, steps, axis_name, minibatch=0, key=None, extra_steps=0,
-             extra_above=jnp.inf):
+def _one_step(drafter, target_params, target_config, buffer, cfg, minibatch, key,
+              axis_name):
+  """one((params, opt_state), step) -> ((params, opt_state), (loss, applied))."""
   full = None
   if not minibatch:
     full = update.teacher_probs(target_params, target_config, buffer, support(drafter))
@@ -166,30 +192,50 @@ def _distill(drafter, target_params, target_config, params, opt_state, *, buffer
                                                      loss, cfg)
     return (params, opt_state), (loss, applied)
 
+  return one
+
+
+def _distill(drafter, target_params, target_config, params, opt_state, *, buffer,
+             cfg, steps, axis_name, minibatch=0, key=None, extra_steps=0,
+             extra_above=jnp.inf):
+  one = _one_step(drafter, target_params, target_config, buffer, cfg, minibatch,
+                  key, axis_name)
   if not extra_steps:
     (params, opt_state), (losses, applied) = jax.lax.scan(
         one, (params, opt_state), jnp.arange(steps))
     return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
+  params, opt_state, first, skipped, _ = _steps(
+      one, params, opt_state, done=jnp.int32(0), first_loss=jnp.float32(jnp.nan),
+      max_steps=steps + extra_steps, steps=steps, extra_steps=extra_steps,
+      extra_above=extra_above)
+  return params, opt_state, first, skipped
 
-  # One loop of steps + extra_steps whose last ones run only if the first
-  # loss was above the bar: the step is compiled once, not once per loop
-  # (the update's kernels count against vm.max_map_count, driver.py).
-  def maybe(carry, step):
-    params, opt_state, extra = carry
+
+def _steps(one, params, opt_state, *, done, first_loss, max_steps, steps,
+           extra_steps, extra_above):
+  """Steps `done`, `done` + 1, ... of an update, at most `max_steps` of them,
+  while there are some left: `steps`, plus `extra_steps` where its first
+  loss is above the bar. One loop whose last trips may do nothing: the step
+  is compiled once, not once per count (the update's kernels count against
+  vm.max_map_count, driver.py)."""
+
+  def maybe(carry, _):
+    params, opt_state, first_loss, done = carry
+    extra = first_loss > extra_above  # NaN before the first step: no
+    takes = (done < steps) | ((done < steps + extra_steps) & extra)
 
     def run(operand):
-      (p, o), (loss, applied) = one(operand[:2], step)
+      (p, o), (loss, applied) = one(operand[:2], done)
       return p, o, loss, applied
 
     params, opt_state, loss, applied = when(
-        (step < steps) | extra, run,
-        (params, opt_state, jnp.float32(jnp.nan), jnp.bool_(True)))
-    extra = jnp.where(step == 0, loss > extra_above, extra)
-    return (params, opt_state, extra), (loss, applied)
+        takes, run, (params, opt_state, jnp.float32(jnp.nan), jnp.bool_(True)))
+    first_loss = jnp.where(takes & (done == 0), loss, first_loss)
+    return (params, opt_state, first_loss, done + takes), ~applied
 
-  (params, opt_state, _), (losses, applied) = jax.lax.scan(
-      maybe, (params, opt_state, jnp.bool_(False)), jnp.arange(steps + extra_steps))
-  return params, opt_state, losses[0], (~applied).sum().astype(jnp.int32)
+  (params, opt_state, first_loss, done), skipped = jax.lax.scan(
+      maybe, (params, opt_state, first_loss, done), None, length=max_steps)
+  return params, opt_state, first_loss, skipped.sum().astype(jnp.int32), done
 
 
 def expected_acceptance(drafter, target_params, target_config: LlamaConfig, params,

@@ -391,12 +391,13 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   unreported = {"updates": 0, "update_s": 0.0, "update_skipped": False}
 
   def report_updates(out, shape, seconds: float, records: list[dict]) -> None:
-    did = np.asarray(out.did_update)
-    cost = learning.record(shape, seconds, bool(did.any()))
+    did, trained = np.asarray(out.did_update), np.asarray(out.trained)
+    # An update split over calls costs in each of them; it is reported with
+    # the call that finishes it.
+    unreported["update_s"] += learning.record(shape, seconds, bool(trained.any()))
+    unreported["update_skipped"] |= bool(np.asarray(out.skipped)[trained].sum() > 0)
     if did.any():
       unreported["updates"] += 1
-      unreported["update_s"] += cost
-      unreported["update_skipped"] |= bool(np.asarray(out.skipped)[did].sum() > 0)
       unreported["loss"] = float(np.nanmean(np.where(did, out.loss, np.nan)))
     if records and unreported["updates"]:
       records[-1].update(unreported)

@@ -25,6 +25,9 @@ class StepOutput:
   skipped: jax.Array  # [num_drafts] optimizer steps skipped in this call
   # The updated draft's acceptance on what it trained on (NaN: not estimated).
   acceptance: jax.Array  # [num_drafts]
+  # Took optimizer steps in this call: with updates split over calls
+  # (OnlineConfig.update_steps_per_call), also in those that do not finish one.
+  trained: jax.Array  # [num_drafts] bool
 
 
 def kept_prompts(cfg, drafter, draft_state):
@@ -78,6 +81,11 @@ def learn(target_params, state, finished, rng, may_update, *,
   call's requests would overwrite samples not yet trained on, the update
   trains on those first and buffers the new ones after, for the next. A gated
   hybrid's gate then takes the new draft's acceptance on what it trained on.
+
+  With `update_steps_per_call`, an update takes that many of its steps per
+  call, over as many calls as it needs: the streams in flight wait for a
+  few steps, not the whole update. Requests that finish meanwhile join the
+  ring the later steps draw from; another update starts only after it.
   """
   slots = state.slots
   rows = record_samples(state.records, slots, max_len=cfg.sample_len,
@@ -94,7 +102,9 @@ def learn(target_params, state, finished, rng, may_update, *,
   since, updates, skipped, last, keys, accepted, mean = (
       state.since_update, state.num_updates, state.num_skipped, state.last_loss,
       state.replay_key, state.last_acceptance, state.loss_mean)
-  did, losses, skips, estimates = [], [], [], []
+  steps_done, first_loss = state.update_steps_done, state.update_first_loss
+  split = cfg.update_steps_per_call > 0
+  did, losses, skips, estimates, trained = [], [], [], [], []
   learner = objectives.learnable(drafter.base)
   gated = (drafter.base if reports_misses(drafter.base) and cfg.reestimate_gate
            else None)
@@ -117,8 +127,10 @@ def learn(target_params, state, finished, rng, may_update, *,
       new = jax.lax.psum(new, axis_name)
       overflow = jax.lax.pmax(overflow, axis_name)
     count = since[d] + new
-    do = (count >= cfg.update_interval) & may_update
-    first = do & (overflow > 0)  # train on the waiting ones, then buffer these
+    ongoing = steps_done[d] > 0  # an update split over calls, not finished
+    starts = (count >= cfg.update_interval) & may_update & ~ongoing
+    stepping = starts | (ongoing & may_update)
+    first = starts & (overflow > 0)  # train on the waiting ones, then buffer these
     # Only in calls where a request finished: adding nothing still rewrote
     # every field, the kept prompt caches (MBs) included, on every call.
     buf = when(is_new.any() & ~first, add, buf)
@@ -127,25 +139,44 @@ def learn(target_params, state, finished, rng, may_update, *,
     # NaN before the first update: no shift to react to.
     threshold = cfg.shift_ratio * mean[d]
 
-    def train(operand, draw_key=draw_key, threshold=threshold):
-      p, o, buf, _, _, _ = operand
-      p, o, loss, bad = objectives.distill(
-          learner, target_params, target_config, p, o, buf, cfg.distill,
-          steps=cfg.update_steps, minibatch=cfg.minibatch, key=draw_key,
-          extra_steps=cfg.shift_steps, extra_above=threshold,
-          axis_name=axis_name)
+    def train(operand, draw_key=draw_key, threshold=threshold, starts=starts,
+              done=steps_done[d], first=first_loss[d]):
+      p, o, buf = operand[:3]
+      if split:  # the next steps of the update; it ends when none are left
+        p, o, loss, bad, done = objectives.distill_part(
+            learner, target_params, target_config, p, o, buf, cfg.distill,
+            done=done, first_loss=first,
+            max_steps=cfg.update_steps_per_call, steps=cfg.update_steps,
+            minibatch=cfg.minibatch, key=draw_key, extra_steps=cfg.shift_steps,
+            extra_above=threshold, axis_name=axis_name)
+        ends = done >= cfg.update_steps + jnp.where(loss > threshold,
+                                                    cfg.shift_steps, 0)
+        done = jnp.where(ends, 0, done)
+      else:
+        p, o, loss, bad = objectives.distill(
+            learner, target_params, target_config, p, o, buf, cfg.distill,
+            steps=cfg.update_steps, minibatch=cfg.minibatch, key=draw_key,
+            extra_steps=cfg.shift_steps, extra_above=threshold,
+            axis_name=axis_name)
+        done, ends = jnp.int32(0), jnp.bool_(True)
       estimate = nan
       if gated is not None:  # on the first step's samples: what it trained on
-        seen = (replay.draw(buf, replay.step_key(draw_key, 0), cfg.minibatch,
-                            axis_name) if cfg.minibatch else buf)
-        estimate = objectives.expected_acceptance(
-            learner, target_params, target_config, p, seen, greedy=greedy,
-            axis_name=axis_name)
-      buf = buf.cleared() if cfg.clear_after_update else buf.trained()
-      return p, o, buf, loss, bad, estimate
+        def estimated(_):
+          seen = (replay.draw(buf, replay.step_key(draw_key, 0), cfg.minibatch,
+                              axis_name) if cfg.minibatch else buf)
+          return objectives.expected_acceptance(
+              learner, target_params, target_config, p, seen, greedy=greedy,
+              axis_name=axis_name)
+        estimate = when(ends, estimated, nan) if split else estimated(nan)
+      if cfg.clear_after_update:
+        buf = buf.cleared()
+      else:  # what the ring held as the update started is in its draws
+        buf = buf.replace(num_fresh=jnp.where(starts, 0, buf.num_fresh))
+      return p, o, buf, loss, bad, estimate, done, ends
 
-    p, o, buf, loss, bad, estimate = when(
-        do, train, (take(params), take(opt_state), buf, nan, jnp.int32(0), nan))
+    p, o, buf, loss, bad, estimate, done, do = when(
+        stepping, train, (take(params), take(opt_state), buf, first_loss[d],
+                       jnp.int32(0), nan, steps_done[d], jnp.bool_(False)))
     buf = when(first & is_new.any(), add, buf)
     if gated is not None:
       draft_states[d] = gated.with_estimate(draft_states[d], estimate, cfg.k)
@@ -156,7 +187,9 @@ def learn(target_params, state, finished, rng, may_update, *,
     # the surplus (one update per I requests in the long run), after a
     # clear nothing, and after training first this call's requests.
     rest = 0 if cfg.clear_after_update else count - cfg.update_interval
-    since = since.at[d].set(jnp.where(first, new, jnp.where(do, rest, count)))
+    since = since.at[d].set(jnp.where(first, new, jnp.where(starts, rest, count)))
+    steps_done = steps_done.at[d].set(done)
+    first_loss = first_loss.at[d].set(jnp.where(do, nan, loss))
     updates = updates.at[d].add(do.astype(jnp.int32))
     skipped = skipped.at[d].add(bad)
     last = last.at[d].set(jnp.where(do, loss, last[d]))
@@ -167,14 +200,16 @@ def learn(target_params, state, finished, rng, may_update, *,
     losses.append(loss)
     skips.append(bad)
     estimates.append(estimate)
+    trained.append(stepping)
   state = state.replace(draft_params=params, opt_state=opt_state, buffer=buffer,
                         since_update=since, num_updates=updates,
                         num_skipped=skipped, last_loss=last, replay_key=keys,
                         loss_mean=mean,
-                        last_acceptance=accepted,
+                        last_acceptance=accepted, update_steps_done=steps_done,
+                        update_first_loss=first_loss,
                         slots=slots.replace(draft=tuple(draft_states)))
   return state, StepOutput(jnp.stack(did), jnp.stack(losses), jnp.stack(skips),
-                           jnp.stack(estimates))
+                           jnp.stack(estimates), jnp.stack(trained))
 
 
 # Weight of the newest loss in the running mean a shift is measured against

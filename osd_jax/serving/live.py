@@ -400,21 +400,25 @@ class LiveEngine:
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
     occupied = self._occupied()
-    # The call's StepOutput is not needed: the state holds the update counts.
+    # Of the call's StepOutput only whether it trained: the state holds the
+    # update counts.
     window, batch = self.plan.program(
         self.cfg.window(int(self._lengths[occupied].max())),
         slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
     start = _busy_clock()
-    self._state, _ = self._step.serve(
+    self._state, out = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,
         window=window, batch=batch, refill=bool(self._pending),
         may_update=self._learning.allows(distributed.all_agree))
     slots = self._state.slots
-    done, lengths, prompt_lens, tokens, updates, skipped, loss = distributed.gather(
+    (done, lengths, prompt_lens, tokens, updates, skipped, loss,
+     trained) = distributed.gather(
         (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,
-         self._state.num_updates, self._state.num_skipped, self._state.last_loss))
+         self._state.num_updates, self._state.num_skipped, self._state.last_loss,
+         out.trained))
+    # A split update's steps cost in every call that takes some.
     self._learning.record((window, batch), _busy_clock() - start,
-                          int(updates.sum()) > self._counts[0])
+                          bool(trained.any()))
     self._lengths = lengths.astype(np.int64)
     self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
     # Fetched only in calls where some request asked: each is [slots, S, N].

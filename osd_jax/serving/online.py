@@ -51,6 +51,11 @@ class OnlineConfig:
   learn: bool = True  # False: the draft stays as it is, nothing is buffered
   update_interval: int = 8  # I: finished requests between updates, per draft
   update_steps: int = 1  # optimizer steps per update
+  # At most this many of an update's steps per serve call, the rest in the
+  # next calls: every stream waits for a few steps at a time, not a whole
+  # update, which ends some calls later. 0: a whole update in one call.
+  # Only with minibatch replay from a ring: each step draws anew from it.
+  update_steps_per_call: int = 0
   # Samples per optimizer step, drawn from the ring anew each step (replay.py);
   # 0: every step over the whole buffer (as published).
   minibatch: int = 0
@@ -106,6 +111,14 @@ class OnlineConfig:
     if self.minibatch < 0:
       raise ValueError(f"minibatch must be >= 0 (0: the whole buffer), got"
                        f" {self.minibatch}.")
+    if self.update_steps_per_call < 0:
+      raise ValueError(f"update_steps_per_call must be >= 0 (0: a whole update in"
+                       f" one call), got {self.update_steps_per_call}.")
+    if self.update_steps_per_call and (not self.minibatch or self.clear_after_update):
+      raise ValueError("update_steps_per_call splits an update over serve calls"
+                       " only with minibatch replay from a ring (minibatch > 0,"
+                       " clear_after_update False): each step must draw anew from"
+                       " what the ring holds by then.")
     if self.sample_source not in samples.SOURCES:
       raise ValueError(f"sample_source must be one of {samples.SOURCES}.")
     if min(self.update_interval, self.buffer_capacity, self.update_steps,
@@ -180,6 +193,12 @@ class OnlineState:
   loss_mean: jax.Array  # [num_drafts] running mean of losses before updates
   # The latest update's draft's acceptance on what it trained on (NaN: none).
   last_acceptance: jax.Array  # [num_drafts] float32
+  # An update split over calls (update_steps_per_call): the steps it has
+  # taken (0: none in progress) and its first step's loss (NaN: none), which
+  # decides the shift's extra steps. Its draws' key is replay_key's next,
+  # which advances as it ends.
+  update_steps_done: jax.Array  # [num_drafts] int32
+  update_first_loss: jax.Array  # [num_drafts] float32
 
 
 def multi(drafter, cfg: OnlineConfig) -> MultiDraft:
@@ -218,7 +237,7 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
                      jax.random.split(serve_key, num_devices),
                      jax.random.split(replay_key, cfg.num_drafts),
                      counters(jnp.int32), counters(jnp.int32), counters(jnp.int32),
-                     nan, nan, nan)
+                     nan, nan, nan, counters(jnp.int32), nan.copy())
 
 
 def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1,
@@ -295,7 +314,8 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
   state = state.replace(slots=slots, records=records)
   nan = jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32)
   nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool), nan,
-                       jnp.zeros((cfg.num_drafts,), jnp.int32), nan)
+                       jnp.zeros((cfg.num_drafts,), jnp.int32), nan,
+                       jnp.zeros((cfg.num_drafts,), bool))
   if not cfg.learn:
     return state, nothing
   rng, learn_rng = jax.random.split(state.rng[0])
@@ -306,7 +326,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
 
 
 _STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
-                           P(), P(), P(), P(), P())
+                           P(), P(), P(), P(), P(), P(), P())
 
 
 class Step:
@@ -341,7 +361,7 @@ class Step:
                                window=window, batch=batch, axis_name=AXIS)
       self._serve[key] = jax.jit(jax.shard_map(
           body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P(), P()),
-          out_specs=(_STATE_SPECS, StepOutput(P(), P(), P(), P())), check_vma=False),
+          out_specs=(_STATE_SPECS, StepOutput(P(), P(), P(), P(), P())), check_vma=False),
           donate_argnums=(1,))
     return self._serve[key](target_params, state, self._flag[bool(refill)],
                             self._flag[bool(may_update)])
@@ -389,4 +409,5 @@ def place_state(state: OnlineState, mesh: jax.sharding.Mesh) -> OnlineState:
                      split(state.rng), rep(state.replay_key),
                      rep(state.since_update), rep(state.num_updates),
                      rep(state.num_skipped), rep(state.last_loss),
-                     rep(state.loss_mean), rep(state.last_acceptance))
+                     rep(state.loss_mean), rep(state.last_acceptance),
+                     rep(state.update_steps_done), rep(state.update_first_loss))
