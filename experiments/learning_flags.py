@@ -102,3 +102,17 @@ def online_fields(**distill_extra) -> dict:
           optimizer=OPTIMIZER.value, learning_rate=LEARNING_RATE.value,
           weight_decay=WEIGHT_DECAY.value, clip_norm=CLIP_NORM.value,
           train_embedding=TRAIN_EMBEDDING.value, **distill_extra))
+
+
+def learn_with_replay() -> None:
+  """Defaults of the entry points that serve and learn (issue 44): a ring of
+  the last 32 requests, replayed in 4 steps of 8 samples every 8 requests.
+  That is offline's optimizer compute per request (the paper experiment
+  `main`: 64 prompts, 4 epochs of minibatches of 8, 32 steps a domain;
+  online 8 updates of 4), where one full-buffer step an update gave a
+  quarter of it and stopped learning half-way. At a domain change the loss
+  before an update jumps: such an update takes 4 more steps."""
+  flags.set_default(UPDATE_STEPS, 4)
+  flags.set_default(MINIBATCH, 8)
+  flags.set_default(BUFFER_CAPACITY, 32)
+  flags.set_default(SHIFT_STEPS, 4)

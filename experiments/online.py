@@ -80,20 +80,9 @@ CHECKPOINT_DIR = flags.DEFINE_string(
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 64, "Requests between saves.")
 RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --checkpoint_dir.")
 model_flags.serve_with_the_best_draft()
-# Learning that keeps up with offline distillation (issue 44): a ring of the
-# last 32 requests, replayed in 4 steps of 8 samples every 8 requests. That
-# is offline's optimizer compute per request (the paper experiment `main`:
-# 64 prompts, 4 epochs of minibatches of 8, 32 steps a domain; online 8
-# updates of 4), where one full-buffer step an update gave a quarter of it
-# and stopped learning half-way. The loss lands where the hybrid calls on
-# the draft, the steps lookup missed.
-flags.set_default(learning_flags.UPDATE_STEPS, 4)
-flags.set_default(learning_flags.MINIBATCH, 8)
-flags.set_default(learning_flags.BUFFER_CAPACITY, 32)
+learning_flags.learn_with_replay()
+# The loss lands where the hybrid calls on the draft, the steps lookup missed.
 flags.set_default(learning_flags.LOSS_WEIGHTING, "lookup_missed")
-# At a domain change the loss before an update jumps: such an update takes
-# 4 more steps (about 2 a segment here; the budget below still bounds them).
-flags.set_default(learning_flags.SHIFT_STEPS, 4)
 # Each second of learning is a second of serving lost: updates may take at
 # most 15 % of it, the issue's ceiling at one slot (README, "What online
 # learning costs"; 0 restores an update every --update_interval requests).

@@ -16,11 +16,12 @@ import dataclasses
 import signal
 import socket
 
-from absl import app
+from absl import app, flags
 import jax
 import uvicorn
 
-from experiments import cli, compilation_cache, model_flags, serve_flags as sf, step_flags
+from experiments import (cli, compilation_cache, learning_flags, model_flags,
+                         serve_flags as sf, step_flags)
 from osd_jax.decoding.drafts import Draft, NoDraft
 from osd_jax.serving import online
 from osd_jax.serving.api.app import make_app
@@ -29,6 +30,11 @@ from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.live import LiveEngine
 
 model_flags.serve_with_the_best_draft()
+learning_flags.learn_with_replay()
+# Every stream in flight waits for an update's steps: one a call, not four
+# (issue 46), and updates may take at most 15 % of the serve calls' time.
+flags.set_default(learning_flags.UPDATE_STEPS_PER_CALL, 1)
+flags.set_default(learning_flags.LEARNING_BUDGET, 0.15)
 
 
 class _Server(uvicorn.Server):
