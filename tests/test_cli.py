@@ -179,7 +179,7 @@ def test_online_run_shows_no_library_logs(tmp_path):
     (["experiments.bench_lookup", "--ngram_history=0"], ["--ngram_history", "at least 1"]),
     (["experiments.bench_speculative", "--ks=0"], ["--ks", "positive integers"]),
     (["experiments.serve", "--top_p=0"], ["--top_p", "above 0"]),
-    (["experiments.serve", "--update_steps_per_call=1"],
+    (["experiments.serve", "--update_steps_per_call=1", "--minibatch=0"],
      ["--update_steps_per_call", "--minibatch"]),
     (["experiments.online", "--devices=0"], ["--devices", "'0'"]),
 ])
