@@ -1,7 +1,6 @@
 """Flags of the serve-and-learn step's decoding, shared by the main job and the server."""
 
 import dataclasses
-import os
 
 from absl import app, flags
 
@@ -22,12 +21,10 @@ POSITION_COSTS = flags.DEFINE_string(
     " target step, per batch: each row then verifies only the drafted"
     " positions whose chance of acceptance pays for them, none where the"
     " first does not (a plain step). 'auto' times the target on this host at"
-    " start-up (seconds a batch; cached under"
-    " ~/.cache/osd_jax/verify_costs while --compilation_cache is on); 'off'"
+    " start-up (seconds a batch; cached beside --compilation_cache's programs,"
+    " when that is on); 'off'"
     " verifies every drafted position;"
     " or BATCH:COST pairs, e.g. 1:0.05,8:0.3. Needs --trim_verify.")
-
-CACHE_ROOT = os.path.join("~", ".cache", "osd_jax", "verify_costs")
 
 
 def batch_k() -> tuple[tuple[int, int], ...]:
@@ -78,8 +75,11 @@ def position_costs(target_params, target_config, *, k: int, batches, window: int
     return given
   if BATCH_K.value or not trim_verify or k < 1:
     return ()
-  folder = (os.path.join(os.path.expanduser(CACHE_ROOT), compilation_cache.host_key())
-            if compilation_cache.FLAG.value else None)
+  # Beside the compiled programs (and gone with them): the same host, the
+  # same switch, and a test's temporary cache keeps its tables too.
+  programs = compilation_cache.directory(compilation_cache.FLAG.value,
+                                         not compilation_cache.FLAG.present)
+  folder = None if programs is None else f"{programs}-verify_costs"
   key = verify_costs.cache_key(target_config, target_params, k=k, batches=batches,
                                window=window, host=compilation_cache.host_key())
   costs, measured = verify_costs.cached(folder, key, lambda: verify_costs.measure(

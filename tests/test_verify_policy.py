@@ -164,7 +164,8 @@ def test_the_key_changes_with_what_the_timing_depends_on(target):
 
 @pytest.fixture
 def flag_values():
-  saved = {name: flags.FLAGS[name].value for name in ("position_costs", "batch_k")}
+  saved = {name: flags.FLAGS[name].value
+           for name in ("position_costs", "batch_k", "compilation_cache")}
   yield flags.FLAGS
   for name, value in saved.items():
     flags.FLAGS[name].value = value
@@ -193,6 +194,25 @@ def test_the_flag_takes_auto_off_or_pairs(flag_values):
   flag_values.batch_k = ["4:2"]
   assert step_flags.position_costs(None, None, k=4, batches=[1], window=64,
                                    trim_verify=True) == ()
+
+
+def test_auto_times_once_and_keeps_the_table_beside_the_programs(
+    flag_values, target, tmp_path, monkeypatch):
+  flags.FLAGS(["prog"], known_only=True)
+  timed = []
+  monkeypatch.setattr(verify_costs, "measure",
+                      lambda *a, **kw: timed.append(kw) or ((1, 0.2), (2, 0.3)))
+  flag_values.position_costs, flag_values.batch_k = "auto", []
+  flag_values["compilation_cache"].parse(str(tmp_path))  # given, as on a command line
+  costs = lambda: step_flags.position_costs(target.params, target.config, k=4,
+                                            batches=[1, 2], window=64, trim_verify=True)
+  try:
+    assert costs() == costs() == ((1, 0.2), (2, 0.3))
+    assert len(timed) == 1  # the second start read the table
+    [folder] = [p for p in tmp_path.iterdir() if p.name.endswith("-verify_costs")]
+    assert len(list(folder.glob("*.json"))) == 1
+  finally:
+    flag_values["compilation_cache"].unparse()
 
 
 def test_a_call_takes_the_cost_of_its_batch():
