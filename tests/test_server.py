@@ -22,11 +22,13 @@ from osd_jax.decoding.engine import Engine
 from tests import tiny_models
 
 MAX_TOKENS = 12
-# The server's own draft defaults (hybrid, confidence stop) stay on; the warm
-# start, a distillation on chat text, is for real targets.
+# The server's own draft and learning defaults (hybrid, confidence stop,
+# replay one step a call) stay on, but for the warm start, a distillation on
+# chat text for real targets, and the learning budget: a tiny model's update
+# costs many of its serve calls, and the tests count updates.
 TINY_FLAGS = ["--warm_start=none", "--k=2", "--cache_size=64", "--max_tokens=16", "--steps_per_call=4",
               "--slots=8", "--devices=2", "--update_interval=4", "--buffer_capacity=8",
-              "--checkpoint_every=0", "--drain_s=30"]
+              "--learning_budget=0", "--checkpoint_every=0", "--drain_s=30"]
 NUM_LOAD = 64
 
 
@@ -434,9 +436,10 @@ def test_programs_past_the_map_limit_are_refused_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2, tmp_path_factory):
   root = tmp_path_factory.mktemp("real_server")
-  # No lookup in served requests either: the seeded sample below must see
-  # the same proposals twice.
-  flags = ["--nolearn", "--ngram_history=0", "--warm_start=none", "--k=2",
+  # No lookup in served requests, and no gate (its means outlive requests):
+  # the seeded sample below must see the same proposals twice.
+  flags = ["--nolearn", "--ngram_history=0", "--hybrid_draft_cost=0",
+           "--warm_start=none", "--k=2",
            "--cache_size=64", "--max_tokens=16",
            "--steps_per_call=2", "--slots=2", "--devices=1", "--served_model_name=smollm2"]
   server = ServerProcess(flags, str(root / "server.log"))
