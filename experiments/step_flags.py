@@ -64,7 +64,7 @@ def given_position_costs() -> tuple[tuple[int, float], ...] | None:
 def position_costs(target_params, target_config, *, k: int, batches, window: int,
                    trim_verify: bool) -> tuple[tuple[int, float], ...]:
   """The position costs the step takes: given, off, or (auto) measured on
-  this host and cached. Auto is off with --batch_k (the override) or
+  this host and cached (`target_params` as loaded). Auto is off with --batch_k (the override) or
   --notrim_verify; given pairs without --trim_verify are a usage error."""
   given = given_position_costs()
   if given is not None:
@@ -82,8 +82,10 @@ def position_costs(target_params, target_config, *, k: int, batches, window: int
   folder = None if programs is None else f"{programs}-verify_costs"
   key = verify_costs.cache_key(target_config, target_params, k=k, batches=batches,
                                window=window, host=compilation_cache.host_key())
+  # The decoding layout (a copy of the weights) only where the table is timed.
   costs, measured = verify_costs.cached(folder, key, lambda: verify_costs.measure(
-      target_params, target_config, k=k, batches=batches, window=window))
+      llama.for_decoding(target_params, target_config), target_config, k=k,
+      batches=batches, window=window))
   shown = ", ".join(f"batch {b}: {c:.2f}" for b, c in costs)
   print(f"verified position cost of a plain step ({'measured' if measured else 'cached'}):"
         f" {shown}", flush=True)
@@ -96,8 +98,7 @@ def with_position_costs(cfg, target, slots_per_device: int):
   if cfg.k < 1:
     return cfg
   window = slot_lib.bucket(max(cfg.cache_size // 2, 1), cfg.cache_size)
-  costs = position_costs(llama.for_decoding(target.params, target.config),
-                         target.config, k=cfg.k,
+  costs = position_costs(target.params, target.config, k=cfg.k,
                          batches=slot_lib.batch_buckets(slots_per_device),
                          window=window, trim_verify=cfg.trim_verify)
   return dataclasses.replace(cfg, position_costs=costs)
