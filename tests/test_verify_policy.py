@@ -152,6 +152,9 @@ def test_costs_are_cached_under_their_key(tmp_path):
   (tmp_path / "abc.json").write_text("{torn")
   assert verify_costs.cached(str(tmp_path), "abc", compute)[1]  # timed again
   assert verify_costs.cached(None, "abc", compute)[1]  # nowhere to keep it
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")  # a folder that cannot be made: timed, not kept
+  assert verify_costs.cached(str(blocked / "sub"), "abc", compute) == (((1, 0.25),), True)
 
 
 def test_the_key_changes_with_what_the_timing_depends_on(target):

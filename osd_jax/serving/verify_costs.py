@@ -90,9 +90,12 @@ def cached(folder: str | None, key: str,
       pass  # a torn or foreign file: time again
   costs = compute()
   if path is not None:
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-      json.dump({"costs": costs}, f)
-    os.replace(tmp, path)
+    try:
+      os.makedirs(folder, exist_ok=True)
+      tmp = f"{path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        json.dump({"costs": costs}, f)
+      os.replace(tmp, path)
+    except OSError:  # a read-only or full cache: the next start times again
+      pass
   return costs, True
