@@ -8,16 +8,19 @@ draft, at a few concurrency levels.
 Starts `experiments.serve` once per run, with its own draft defaults: --k=0
 (the target alone), --nolearn (the draft stays as it started) and learning
 on, the last two verifying only the drafted positions that pay at the
-costs the server measures at start-up (--position_costs=auto), every
-drafted position (static_every_position), or with --batch_k (fewer draft
-tokens per step in larger batches). Every program is compiled before a
-server listens. Each gets the same shifting query stream (chat endpoint,
+costs the server measures at start-up (--position_costs=auto), and each
+call speculating or running the target alone, whichever has been faster
+(--speculate=auto); the *_always runs speculate in every call, and
+static_every_position also verifies every drafted position; the *_batch_k
+runs draft fewer tokens per step in larger batches. Every program is
+compiled before a server listens. Each gets the same shifting query stream (chat endpoint,
 streamed, greedy) at each load level: a closed loop of that many clients
 (--concurrency), or requests arriving as a Poisson process of a given rate
 whatever is in flight (--arrival_rates, open loop). Reports throughput (generated tokens/s) and its ratio to the target-only server at the same level, P50/P99
 time to first token and inter-token latency (per request: the time between
 its first and last token over its tokens - 1), and alpha: the level's mean
-over its requests and the server's rolling alpha when the level ends.
+over its requests and the server's rolling alpha when the level ends, and
+the share of the level's serve calls that ran the target alone.
 """
 
 import asyncio
@@ -124,16 +127,23 @@ async def _level(url: str, questions: list[str], concurrency: int,
 # costs the server measures); the frozen draft verifying every drafted
 # position; and the two drafting fewer tokens in larger batches.
 RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"],
-        "static_every_position": ["--nolearn", "--position_costs=off"],
+        "static_always": ["--nolearn", "--speculate=always"],
+        "online_always": ["--learn", "--speculate=always"],
+        "static_every_position": ["--nolearn", "--position_costs=off",
+                                  "--speculate=always"],
         "static_batch_k": ["--nolearn"], "online_batch_k": ["--learn"]}
+RESTART = flags.DEFINE_bool(
+    "restart", True, "Also start the last run's server a second time, on the"
+    " compilation cache its first start filled, and report how soon it is ready.")
 RUN_NAMES = flags.DEFINE_list(
-    "runs", ["target", "static", "static_every_position", "online"],
+    "runs", ["target", "static", "static_always", "online"],
     f"Servers to run, in order, of {list(RUNS)}.")
 
 
 def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
-           workdir: str) -> list[dict]:
-  """One server's results at each (clients, arrival rate) level."""
+           workdir: str, log: str | None = None) -> tuple[float, list[dict]]:
+  """(Seconds until the server was ready, its results at each (clients,
+  arrival rate) level.)"""
   draft = [] if name == "target" else [f"--k={K.value}"]
   draft.append(f"--batch_k={BATCH_K.value if name.endswith('_batch_k') else ''}")
   server = ServerProcess(
@@ -141,11 +151,12 @@ def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
        f"--cache_size={CACHE_SIZE.value}", f"--max_tokens={MAX_TOKENS.value}",
        f"--update_interval={UPDATE_INTERVAL.value}", *RUNS[name],
        f"--compilation_cache={os.path.join(workdir, 'xla')}",
-       *shlex.split(SERVER_FLAGS.value)], os.path.join(workdir, f"server_{name}.log"))
+       *shlex.split(SERVER_FLAGS.value)], os.path.join(workdir, log or f"server_{name}.log"))
   try:
     start = time.perf_counter()
     server.wait_ready(START_TIMEOUT.value)
-    print(f"[{name}] server ready in {time.perf_counter() - start:.0f} s", flush=True)
+    ready_s = time.perf_counter() - start
+    print(f"[{name}] server ready in {ready_s:.0f} s", flush=True)
     results = []
     for i, (concurrency, rate) in enumerate(levels):
       n = REQUESTS.value
@@ -156,13 +167,21 @@ def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
       result.update(run=name, rolling_alpha=after["osd:rolling_alpha"],
                     arrival_rate=rate, level=_level_name(concurrency, rate),
                     updates=after["osd:draft_updates_total"]
-                    - before["osd:draft_updates_total"])
+                    - before["osd:draft_updates_total"],
+                    plain_share=_share(after, before, "osd:plain_calls_total",
+                                       "osd:serve_calls_total"))
       results.append(result)
       print(f"[{name}] {result['level']}: {result['tokens_per_s']:.1f} tokens/s",
             flush=True)
-    return results
+    return ready_s, results
   finally:
     server.stop()
+
+
+def _share(after: dict, before: dict, part: str, whole: str) -> float:
+  """part's share of whole between two scrapes (NaN: no calls)."""
+  calls = after[whole] - before[whole]
+  return (after[part] - before[part]) / calls if calls else float("nan")
 
 
 def _level_name(concurrency: int, rate: float) -> str:
@@ -172,15 +191,17 @@ def _level_name(concurrency: int, rate: float) -> str:
 def _table(results: list[dict]) -> str:
   base = {r["level"]: r["tokens_per_s"] for r in results if r["run"] == "target"}
   head = ("| run | load | requests | tokens/s | vs target | TTFT P50 / P99 ms |"
-          " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |")
-  rows = [head, "|" + "---|" * 10]
+          " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |"
+          " plain calls |")
+  rows = [head, "|" + "---|" * 11]
   for r in results:
     ratio = r["tokens_per_s"] / base[r["level"]] if r["level"] in base else float("nan")
     rows.append(f"| {r['run']} | {r['level']} | {r['requests']} |"
                 f" {r['tokens_per_s']:.1f} | {ratio:.2f}x |"
                 f" {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
                 f" {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['alpha']:.3f} |"
-                f" {r['rolling_alpha']:.3f} | {r['updates']:.0f} |")
+                f" {r['rolling_alpha']:.3f} | {r['updates']:.0f} |"
+                f" {r['plain_share']:.0%} |")
   return "\n".join(rows)
 
 
@@ -204,10 +225,18 @@ def main(argv):
   if unknown or "target" not in RUN_NAMES.value:
     raise app.UsageError(f"--runs must include target and name only {list(RUNS)}.")
   workdir = tempfile.mkdtemp(prefix="osd_bench_serve_")
-  results = []
+  results, ready = [], {}
   for name in RUN_NAMES.value:
-    results += _serve(name, levels, questions, workdir)
+    ready[name], run = _serve(name, levels, questions, workdir)
+    results += run
   print(_table(results))
+  starts = ", ".join(f"{name} {s:.0f} s" for name, s in ready.items())
+  print(f"ready after start (the runs, in order, share one compilation cache,"
+        f" empty at first): {starts}")
+  if RESTART.value:  # the last server again, on the programs it cached
+    name = RUN_NAMES.value[-1]
+    again, _ = _serve(name, [], questions, workdir, log=f"server_{name}_again.log")
+    print(f"ready after a restart of {name} (its programs cached): {again:.0f} s")
   print(f"server logs in {workdir}")
   if OUTPUT.value:
     with open(OUTPUT.value, "w") as f:

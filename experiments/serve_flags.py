@@ -17,6 +17,11 @@ DRAIN_S = flags.DEFINE_integer(
 # Serving.
 K = flags.DEFINE_integer("k", 4, "Draft tokens per speculative step; 0 serves the"
                         " target alone (with --nolearn).", lower_bound=0)
+SPECULATE = flags.DEFINE_enum(
+    "speculate", "auto", ["auto", "always"], "auto: each call speculates or runs"
+    " the target alone, whichever has been faster at its number of slots"
+    " (measured as it serves; a plain program per serve program compiles too);"
+    " always: every call speculates.")
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "The most tokens a request may ask for.")
 CACHE_SIZE = flags.DEFINE_integer(
     "cache_size", 1024, "Positions per slot: prompt + max_tokens + k must fit.")
@@ -77,4 +82,5 @@ def live_config() -> LiveConfig:
   return LiveConfig(num_slots=SLOTS.value, checkpoint_every=CHECKPOINT_EVERY.value,
                     export_dir=EXPORT_DIR.value, rolling_window=ROLLING_WINDOW.value,
                     seed=SEED.value,
-                    learning_budget=learning_flags.LEARNING_BUDGET.value)
+                    learning_budget=learning_flags.LEARNING_BUDGET.value,
+                    choose_calls=SPECULATE.value == "auto")

@@ -75,8 +75,10 @@ def test_levels_differ():
   assert float(jnp.abs(levels[0] - levels[1]).max()) > 1e-3
 
 
-def test_commit_after_a_rejection_equals_a_fresh_prefill():
-  """Cache and feature after steps with rejections = prefill of the accepted prefix."""
+@pytest.mark.parametrize("ks", [(K,) * 4, (K, 0, 0, K, 0)])
+def test_commit_after_a_rejection_equals_a_fresh_prefill(ks):
+  """Cache and feature after steps with rejections = prefill of the accepted
+  prefix; plain target steps (k = 0) among them included."""
   target, drafter, params, tparams = setup()
   rng = np.random.default_rng(2)
   prompts = jnp.asarray(rng.integers(3, 64, (3, 6)), jnp.int32)
@@ -88,10 +90,10 @@ def test_commit_after_a_rejection_equals_a_fresh_prefill():
                                cache_size=40)
   step = jax.jit(functools.partial(speculative.speculate_and_verify,
                                    target_config=target.config, drafter=drafter,
-                                   k=K, sampling=GREEDY))
+                                   sampling=GREEDY), static_argnames="k")
   rejections = 0
-  for _ in range(4):
-    state, result = step(tparams, bound, state)
+  for k in ks:
+    state, result = step(tparams, bound, state, k=k)
     rejections += int(((result.num_accepted < K) & result.active).sum())
     m = np.asarray(state.lengths)
     for row in range(3):

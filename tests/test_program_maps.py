@@ -42,6 +42,26 @@ def test_all_programs_where_they_fit_else_the_most_useful():
   assert _plan(10_000).programs == ((1024, 8),)  # the widest window, every slot
 
 
+def test_plain_programs_come_at_the_widest_window_first():
+  plain = lambda limit: program_maps.plan(
+      WINDOWS, BATCHES, serve_maps=lambda batch: 5000, inserts=9,
+      maps=(1000, limit), flag_hint="", plain_maps=lambda batch: 2000)
+  every = plain(1_000_000)
+  assert len(every.programs) == len(every.plain) == 20
+  # 4 serve programs at the widest window, its 4 plain ones, then 5 serve
+  # programs; the last room takes 1 more plain one.
+  plan = plain(65_530)
+  assert plan.programs == tuple(sorted(
+      [(1024, b) for b in BATCHES] + [(w, 1) for w in WINDOWS[:-1]] + [(512, 2)]))
+  assert plan.plain == ((512, 1), (1024, 1), (1024, 2), (1024, 4), (1024, 8))
+  assert plan.maps == 9 * 5000 + 5 * 2000 + 9 * program_maps.MAPS_PER_INSERT
+  # A plain call runs on the plain program with the fewest slots holding it,
+  # then the narrowest window.
+  assert plan.plain_program(60, 3) == (1024, 4)
+  assert plan.plain_program(100, 1) == (512, 1)
+  assert _plan(65_530).plain == () and _plan(65_530).plain_program(60, 8) is None
+
+
 def test_programs_that_cannot_fit_are_refused_in_one_line():
   with pytest.raises(program_maps.ProgramsDoNotFit) as refused:
     _plan(5_000)
@@ -102,6 +122,6 @@ def test_merged_buckets_serve_the_same_greedy_text():
   finally:
     engine.stop()
   window, slots = MAIN.cache_size, 4
-  assert set(engine._step._serve) == {(MAIN.steps_per_call, window, slots)}  # pylint: disable=protected-access
+  assert set(engine._step._serve) == {(MAIN.steps_per_call, window, slots, False)}  # pylint: disable=protected-access
   reference = Engine(target, k=0, max_new_tokens=8, num_slots=4)
   assert tokens == [r.token_ids for r in reference.generate_ids(prompts)]

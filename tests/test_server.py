@@ -28,7 +28,10 @@ MAX_TOKENS = 12
 # costs many of its serve calls, and the tests count updates.
 TINY_FLAGS = ["--warm_start=none", "--k=2", "--cache_size=64", "--max_tokens=16", "--steps_per_call=4",
               "--slots=8", "--devices=2", "--update_interval=4", "--buffer_capacity=8",
-              "--learning_budget=0", "--checkpoint_every=0", "--drain_s=30"]
+              "--learning_budget=0", "--checkpoint_every=0", "--drain_s=30",
+              # Every call speculates: the counts tests read do not depend on
+              # the clock (tests/test_call_choice.py covers --speculate=auto).
+              "--speculate=always"]
 NUM_LOAD = 64
 
 

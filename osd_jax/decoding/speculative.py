@@ -272,6 +272,12 @@ def commit_pass(drafter, draft_params, draft, verified: Verified, window,
       draft_params, draft, verified.narrowed(w), window))
 
 
+def _no_proposal(batch_size: int, vocab_size: int) -> Proposal:
+  return Proposal(jnp.zeros((batch_size, 0), jnp.int32),
+                  jnp.zeros((batch_size, 0, vocab_size), jnp.float32),
+                  jnp.zeros((batch_size,), jnp.int32))
+
+
 def speculate_and_verify(target_params, draft_params, state: SpecState, *,
                          target_config: LlamaConfig, drafter, k: int,
                          sampling: Sampling | None,
@@ -281,7 +287,10 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   """One draft-k, verify-once step over every row.
 
   `sampling` None draws each row with its own settings (state.sampling).
-  `k` may be less than the k the state was built for (not more).
+  `k` may be less than the k the state was built for (not more); at k = 0
+  the step is a plain target step whatever the drafter: nothing is drafted,
+  and the drafter only commits what was kept (a model draft catches up at
+  its next proposal, a feature draft reads the target's features there).
   `window` bounds the cache positions attention reads (every row's length
   after the step must fit). The target's logits and hidden states at the
   verified positions come back in the result: the teacher for online
@@ -308,8 +317,11 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
   limit = (verify_policy.limits(state.metrics, k, position_cost)
            if position_cost and k else None)
   ctx = Context(state.tokens, m, state.route, limit)
-  proposal, draft = drafter.propose(draft_params, state.draft, ctx, draft_keys, k,
-                                    sampling, window)
+  if k:
+    proposal, draft = drafter.propose(draft_params, state.draft, ctx, draft_keys, k,
+                                      sampling, window)
+  else:  # a plain target step: the drafter keeps in step through its commit
+    proposal, draft = _no_proposal(m.shape[0], target_config.vocab_size), state.draft
   proposal = proposal.replace(num_proposed=ctx.within_limit(proposal.num_proposed))
   verify = jnp.concatenate([ctx.last_token[:, None], proposal.tokens], axis=1)
   widths = verify_widths(k) if trim_verify else (k + 1,)

@@ -34,6 +34,7 @@ from osd_jax.distillation import objectives
 from osd_jax.models import llama
 from osd_jax import progress
 from osd_jax.serving import distributed, online, program_maps
+from osd_jax.serving.call_choice import CallChoice
 from osd_jax.serving.checkpoint import Checkpointer
 from osd_jax.serving.learning_budget import LearningBudget
 from osd_jax.serving.live_request import (Failed, Finished, LiveRequest, RequestStats,
@@ -59,6 +60,10 @@ class LiveConfig:
   seed: int = 0  # draws the seeds of requests that bring none
   # Share of the engine's busy time updates may take (learning_budget.py).
   learning_budget: float = 0.0
+  # Each call speculates or runs the target alone, whichever has been faster
+  # at its batch size (call_choice.py; its plain programs compile too);
+  # False: every call speculates.
+  choose_calls: bool = False
 
 
 def _free_program(mesh: jax.sharding.Mesh):
@@ -104,6 +109,7 @@ class LiveEngine:
         # Requests in flight at that save died with their connections.
         self._free_slots(np.ones(live.num_slots, bool))
     self._state = online.place_state(self._state, mesh)
+    self.calls = CallChoice(live.choose_calls and cfg.k > 0)  # plain or not
     # Before any program compiles: the programs it will hold must fit.
     self.plan = self._plan(memory_maps())
     self._commands: queue.Queue = queue.Queue()
@@ -224,36 +230,44 @@ class LiveEngine:
     target_layers = self.target.config.num_layers
     lengths = (len([n for n in objectives._LENGTHS if n < cfg.sample_len]) + 1  # pylint: disable=protected-access
                if cfg.learn and learner is not None else 0)
+    plain_maps = (lambda batch: program_maps.plain_program_maps(target_layers)
+                  ) if self.calls.enabled else None
     plan = program_maps.plan(
         windows, batches, serve_maps=lambda batch: program_maps.serve_program_maps(
             batch, target_layers + draft_layers, lengths),
         inserts=len(self._widths()),
         maps=maps, flag_hint="lower --cache_size (fewer windows and update"
-        " lengths) or --slots, or pass --nolearn")
+        " lengths) or --slots, or pass --nolearn", plain_maps=plain_maps)
     full = len(windows) * len(batches)
-    if len(plan.programs) < full:
-      shown = ", ".join(f"{w}x{b}" for w, b in plan.programs)
+    full_plain = full if plain_maps else 0
+    if len(plan.programs) < full or len(plan.plain) < full_plain:
+      shown = lambda programs: ", ".join(f"{w}x{b}" for w, b in programs)
+      plain = (f" and {len(plan.plain)} of {full_plain} plain ones"
+               f" ({shown(plan.plain) or 'none'})" if plain_maps else "")
       print(f"compiling {len(plan.programs)} of {full} serve programs (window x"
-            f" batch: {shown}): all {full} would pass vm.max_map_count ="
-            f" {maps[1]:,} (raise it: {program_maps.RAISE_IT})", flush=True)
+            f" batch: {shown(plan.programs)}){plain}: all would pass"
+            f" vm.max_map_count = {maps[1]:,} (raise it: {program_maps.RAISE_IT})",
+            flush=True)
     return plan
 
   def _warm_up(self) -> None:
     """Compiles every program a request can call, each run as a no-op."""
     widths, plan = self._widths(), self.plan
-    bar = progress.bar(len(widths) + len(plan.programs), "compiling", "programs")
+    programs = ([(shape, False) for shape in plan.programs]
+                + [(shape, True) for shape in plan.plain])
+    bar = progress.bar(len(widths) + len(programs), "compiling", "programs")
     for width in widths:
       if not self._accepting:  # stopped while starting: compile no more
         return
       self._insert_nothing(width)
       bar.update(1)
     scratch = jax.tree.map(jnp.copy, self._state)  # serve donates it
-    for window, batch in plan.programs:
+    for (window, batch), plain in programs:
       if not self._accepting:
         return
       scratch, _ = self._step.serve(self._target_params, scratch,
                                     steps=self.cfg.steps_per_call, window=window,
-                                    batch=batch, may_update=False)
+                                    batch=batch, may_update=False, plain=plain)
       bar.update(1)
     jax.block_until_ready(scratch)
     bar.close()
@@ -402,23 +416,32 @@ class LiveEngine:
     occupied = self._occupied()
     # Of the call's StepOutput only whether it trained: the state holds the
     # update counts.
-    window, batch = self.plan.program(
-        self.cfg.window(int(self._lengths[occupied].max())),
-        slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
+    needs = (self.cfg.window(int(self._lengths[occupied].max())),
+             slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
+    window, batch = self.plan.program(*needs)
+    # The choice is per load (slots in use), between the programs serving it.
+    plain = (self.plan.plain_program(*needs) is not None
+             and self.calls.plain(needs[1], distributed.all_agree))
+    if plain:
+      window, batch = self.plan.plain_program(*needs)
     start = _busy_clock()
     self._state, out = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,
         window=window, batch=batch, refill=bool(self._pending),
-        may_update=self._learning.allows(distributed.all_agree))
+        may_update=self._learning.allows(distributed.all_agree), plain=plain)
     slots = self._state.slots
     (done, lengths, prompt_lens, tokens, updates, skipped, loss,
      trained) = distributed.gather(
         (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,
          self._state.num_updates, self._state.num_skipped, self._state.last_loss,
          out.trained))
-    # A split update's steps cost in every call that takes some.
-    self._learning.record((window, batch), _busy_clock() - start,
-                          bool(trained.any()))
+    seconds = _busy_clock() - start
+    # A split update's steps cost in every call that takes some; the choice
+    # of call compares serving without them.
+    learning = self._learning.record((window, batch, plain), seconds,
+                                     bool(trained.any()))
+    self.calls.record(needs[1], plain, seconds - learning,
+                      int((lengths - self._lengths)[occupied].sum()))
     self._lengths = lengths.astype(np.int64)
     self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
     # Fetched only in calls where some request asked: each is [slots, S, N].
@@ -488,7 +511,9 @@ class LiveEngine:
   def _publish_gauges(self) -> None:
     updates, skipped, loss = self._counts
     self.metrics.set_engine(**self._occupancy(), draft_updates=updates,
-                            draft_updates_skipped=skipped, draft_last_loss=loss)
+                            draft_updates_skipped=skipped, draft_last_loss=loss,
+                            serve_calls=sum(self.calls.calls.values()),
+                            plain_calls=self.calls.calls[True])
 
   def _save(self) -> None:
     if self.checkpointer is None:

@@ -272,14 +272,16 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
                     may_update=True, *,
                     target_config, drafter, cfg: OnlineConfig, steps: int,
                     window: int, batch: int | None = None,
-                    axis_name: str | None = None):
+                    axis_name: str | None = None, plain: bool = False):
   """One device's call: decode its slots, then buffer and learn (shard_map body).
 
   Only the first `batch` local slots (all if None) are decoded: the host
   keeps every request there; each step drafts cfg.k_at(batch) tokens. With
   `refill` (requests are waiting) decoding stops at the first step in which a slot finishes, on every device
   (slots.decode_loop). Without `may_update`, a due update waits for a
-  later call.
+  later call. A `plain` call takes plain target steps (k = 0: no draft
+  runs) and takes no update (its program holds none); it still buffers
+  the requests that finish.
   """
   drafter = multi(drafter, cfg)
   target_params = llama.for_decoding(target_params, target_config)
@@ -290,14 +292,19 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
   num_slots = state.slots.done.shape[0]
   batch = batch or num_slots
 
+  k = 0 if plain else cfg.k_at(batch)
+
   def step(slots, records):
     slots, result = speculative.speculate_and_verify(
         target_params, draft_params, slots, target_config=target_config,
-        drafter=drafter, k=cfg.k_at(batch), sampling=cfg.sampling, window=window,
+        drafter=drafter, k=k, sampling=cfg.sampling, window=window,
         trim_verify=cfg.trim_verify, position_cost=cfg.position_cost_at(batch))
     if cfg.learn:
-      missed = (drafter.base.lookup_missed(slots.draft[0])  # copies look up alike
-                if cfg.loss_weighting == "lookup_missed" else None)
+      missed = None
+      if cfg.loss_weighting == "lookup_missed":
+        # A plain step looked nothing up: its positions carry no loss.
+        missed = (jnp.zeros_like(slots.done) if plain else
+                  drafter.base.lookup_missed(slots.draft[0]))  # copies look up alike
       records = records.record(result, corrected_only=corrected_only,
                                lookup_missed=missed)
     return slots, records
@@ -322,7 +329,7 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
   state = state.replace(rng=rng[None])
   return learning.learn(target_params, state, slots.done & ~was_done, learn_rng,
                 may_update, target_config=target_config, drafter=drafter, cfg=cfg,
-                axis_name=axis_name)
+                axis_name=axis_name, can_update=not plain)
 
 
 _STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
@@ -350,15 +357,16 @@ class Step:
 
   def serve(self, target_params, state: OnlineState, *, steps: int, window: int,
             batch: int | None = None, refill: bool = False,
-            may_update: bool = True):
+            may_update: bool = True, plain: bool = False):
     """Up to `steps` speculative steps over the first `batch` slots of each
     device (all if None; fewer steps with `refill`, and a due update waits
-    without `may_update`, see serve_and_learn); one program per (window,
-    batch)."""
-    key = steps, window, batch
+    without `may_update`; `plain`: target steps, no update; see
+    serve_and_learn); one program per (window, batch, plain)."""
+    key = steps, window, batch, plain
     if key not in self._serve:
       body = functools.partial(serve_and_learn, **self.statics, steps=steps,
-                               window=window, batch=batch, axis_name=AXIS)
+                               window=window, batch=batch, axis_name=AXIS,
+                               plain=plain)
       self._serve[key] = jax.jit(jax.shard_map(
           body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P(), P()),
           out_specs=(_STATE_SPECS, StepOutput(P(), P(), P(), P(), P())), check_vma=False),

@@ -42,6 +42,12 @@ MAPS_PER_LAYER = 62
 MAPS_PER_PROGRAM_AT_ONE_SLOT = 1800
 MAPS_PER_LAYER_AT_ONE_SLOT = 17
 MAPS_PER_UPDATE_LENGTH = 330
+# A plain program (target steps, no update: call_choice.py) has one pass a
+# step, no packing branches and no update: measured beside the serve
+# programs above (cache 512, learning), 1,032 at one slot and 709 at 8
+# (SmolLM2, 30 layers), against 3,755 and 5,508 for the serve programs.
+MAPS_PER_PLAIN_PROGRAM = 400
+MAPS_PER_PLAIN_LAYER = 25
 MAPS_PER_INSERT = 250
 
 
@@ -74,18 +80,35 @@ def serve_program_maps(batch: int, decode_layers: int, update_lengths: int = 0) 
   return base + MAPS_PER_UPDATE_LENGTH * update_lengths
 
 
+def plain_program_maps(target_layers: int) -> int:
+  """Estimated mappings of a plain (k = 0, no update) program
+  (call_choice.py), at any batch."""
+  return MAPS_PER_PLAIN_PROGRAM + MAPS_PER_PLAIN_LAYER * target_layers
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The serve programs a server compiles, each (window, batch)."""
+  """The serve programs a server compiles, each (window, batch), and the
+  plain ones (call_choice.py) beside them."""
 
   programs: tuple[tuple[int, int], ...]
   maps: int  # estimated mappings of them all, inserts included
+  plain: tuple[tuple[int, int], ...] = ()
 
   def program(self, window: int, batch: int) -> tuple[int, int]:
     """The planned (window, batch) a call needing this much runs: the fewest
     slots (a call's cost grows with its rows), then the narrowest window."""
-    return min(((w, b) for w, b in self.programs if w >= window and b >= batch),
-               key=lambda program: (program[1], program[0]))
+    return _smallest(self.programs, window, batch)
+
+  def plain_program(self, window: int, batch: int) -> tuple[int, int] | None:
+    """As `program`, of the plain programs (None: none holds the call)."""
+    return _smallest(self.plain, window, batch) if any(
+        w >= window and b >= batch for w, b in self.plain) else None
+
+
+def _smallest(programs, window: int, batch: int) -> tuple[int, int]:
+  return min(((w, b) for w, b in programs if w >= window and b >= batch),
+             key=lambda program: (program[1], program[0]))
 
 
 def _by_use(windows: tuple[int, ...], batches: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -104,20 +127,32 @@ def _by_use(windows: tuple[int, ...], batches: tuple[int, ...]) -> list[tuple[in
 
 def plan(windows: Sequence[int], batches: Sequence[int], *,
          serve_maps: Callable[[int], int], inserts: int,
-         maps: tuple[int, int] | None, flag_hint: str) -> Plan:
+         maps: tuple[int, int] | None, flag_hint: str,
+         plain_maps: Callable[[int], int] | None = None) -> Plan:
   """The most useful of these (window, batch) programs that fit beside the
   `maps` held (memory_maps()) with `inserts` prefill programs, a serve
   program over b slots holding serve_maps(b) mappings: all of them where
   they fit. ProgramsDoNotFit names what to change when not even the widest
-  window over every slot fits; `flag_hint` says which flags shrink it."""
+  window over every slot fits; `flag_hint` says which flags shrink it.
+
+  With `plain_maps`, plain programs (b slots: plain_maps(b) mappings) too:
+  at the widest window right after the serve programs there, the rest
+  after all serve programs."""
   windows, batches = tuple(sorted(windows)), tuple(sorted(batches))
   total = inserts * MAPS_PER_INSERT
   room = math.inf if maps is None else math.floor(HEADROOM * maps[1]) - maps[0]
-  chosen = []
-  for window, batch in _by_use(windows, batches):
-    if total + serve_maps(batch) <= room:
-      chosen.append((window, batch))
-      total += serve_maps(batch)
+  order = [(w, b, False) for w, b in _by_use(windows, batches)]
+  if plain_maps is not None:
+    plain = [(w, b, True) for w, b in _by_use(windows, batches)]
+    wide = [item for item in plain if item[0] == windows[-1]]
+    order = (order[:len(batches)] + wide + order[len(batches):]
+             + [item for item in plain if item not in wide])
+  chosen, plains = [], []
+  for window, batch, is_plain in order:
+    cost = (plain_maps if is_plain else serve_maps)(batch)
+    if total + cost <= room:
+      (plains if is_plain else chosen).append((window, batch))
+      total += cost
     elif not chosen:
       held, limit = maps
       raise ProgramsDoNotFit(
@@ -125,7 +160,7 @@ def plan(windows: Sequence[int], batches: Sequence[int], *,
           f" hold about {total + serve_maps(batch):,} memory mappings beside the"
           f" {held:,} this process holds, over {HEADROOM:.0%} of vm.max_map_count ="
           f" {limit:,}: {flag_hint}, or raise the limit ({RAISE_IT}).")
-  return Plan(tuple(sorted(chosen)), total)
+  return Plan(tuple(sorted(chosen)), total, tuple(sorted(plains)))
 
 
 def fits_another(maps: tuple[int, int] | None, largest: int) -> bool:

@@ -48,7 +48,8 @@ class ServerMetrics:
     self._alphas = collections.deque(maxlen=window)  # last requests' alpha
     self._num_slots = num_slots
     self._gauges = {"queue_depth": 0, "slots_in_use": 0, "draft_updates": 0,
-                    "draft_updates_skipped": 0, "draft_last_loss": float("nan")}
+                    "draft_updates_skipped": 0, "draft_last_loss": float("nan"),
+                    "serve_calls": 0, "plain_calls": 0}
 
   def observe(self, stats: RequestStats, reason: str, **gauges) -> None:
     """Adds one finished request (reason: stop, length or abort), and sets
@@ -65,7 +66,8 @@ class ServerMetrics:
         self._alphas.append(stats.alpha)
 
   def set_engine(self, **gauges) -> None:
-    """queue_depth, slots_in_use, draft_updates, draft_updates_skipped, draft_last_loss."""
+    """queue_depth, slots_in_use, draft_updates, draft_updates_skipped,
+    draft_last_loss, serve_calls, plain_calls."""
     with self._lock:
       self._set(gauges)
 
@@ -107,6 +109,11 @@ class ServerMetrics:
              [("", g["draft_updates_skipped"])])
       metric("osd:draft_last_loss", "gauge", "Distillation loss at the latest update.",
              [("", g["draft_last_loss"])])
+      metric("osd:serve_calls_total", "counter", "Compiled serve calls run.",
+             [("", g["serve_calls"])])
+      metric("osd:plain_calls_total", "counter",
+             "Serve calls that ran the target alone (--speculate=auto).",
+             [("", g["plain_calls"])])
       metric("osd:rolling_alpha", "gauge",
              f"Mean alpha of the last {self._alphas.maxlen} finished requests.",
              [("", alpha)])

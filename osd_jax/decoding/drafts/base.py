@@ -124,7 +124,9 @@ class Drafter(Protocol):
 
   def commit(self, params, state, verified: Verified,
              window: int | None) -> Any:
-    """State after verification kept `verified.kept` tokens per row."""
+    """State after verification kept `verified.kept` tokens per row. Also
+    called after a plain target step (k = 0) that `propose` did not run
+    for: the state must stay one the next proposal can start from."""
 
   def insert_row(self, state, row: jax.Array, one, leaving=None) -> Any:
     """`state` with row `row` replaced by a one-row state (a new request).

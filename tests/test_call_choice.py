@@ -1,0 +1,139 @@
+"""Choosing per call between speculating and the target alone, by the clock:
+the choice, its exploration, and the live engine serving plain calls."""
+
+import dataclasses
+import os
+import queue
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from osd_jax.serving import live, online
+from osd_jax.serving.call_choice import CallChoice
+from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams, Tokens
+from tests.test_online import MAIN, MAX_NEW, QUERIES, prompt_ids, tiny_pair
+
+
+def run_calls(choice, batch, seconds, calls):
+  """`calls` calls at `batch`; a speculative call takes seconds[False] for 10
+  tokens, a plain one seconds[True]. Returns the kinds chosen."""
+  kinds = []
+  for _ in range(calls):
+    plain = choice.plain(batch)
+    choice.record(batch, plain, seconds[plain], 10)
+    kinds.append(plain)
+  return kinds
+
+
+def test_each_kind_is_measured_then_the_faster_runs_and_the_other_is_explored():
+  choice = CallChoice(explore_every=4)
+  kinds = run_calls(choice, 8, {False: 2.0, True: 1.0}, 14)
+  # Speculation first, then the target alone, in turns until each is timed
+  # twice; then plain, but every 4th call at this batch speculates.
+  assert kinds[:4] == [False, True, False, True]
+  assert [i + 1 for i, k in enumerate(kinds) if not k] == [1, 3, 8, 12]
+  assert choice.plain_share == pytest.approx(10 / 14)
+
+
+def test_batch_sizes_are_measured_apart():
+  choice = CallChoice(explore_every=4)
+  run_calls(choice, 8, {False: 2.0, True: 1.0}, 6)
+  kinds = run_calls(choice, 1, {False: 1.0, True: 2.0}, 9)
+  assert kinds == [False, True, False, True, False, False, False, True, False]
+
+
+def test_a_kind_that_gets_faster_wins_back_the_calls():
+  choice = CallChoice(explore_every=4)
+  run_calls(choice, 8, {False: 2.0, True: 1.0}, 8)
+  # The draft learns: speculation now takes a quarter of the time. Its
+  # explored calls raise its running mean until it wins.
+  kinds = run_calls(choice, 8, {False: 0.25, True: 1.0}, 24)
+  assert sum(kinds[-8:]) == 2  # only the explored calls are plain now
+
+
+def test_calls_that_emitted_nothing_are_not_timed():
+  choice = CallChoice()
+  choice.record(8, False, 1.0, 10)
+  choice.record(8, False, 1.0, 0)
+  choice.record(8, False, 0.0, 10)
+  assert choice.rate(8, False) == pytest.approx(10.0)
+  assert choice.calls[False] == 3
+  assert choice.rate(8, True) is None
+
+
+def test_off_always_speculates_and_every_host_must_agree_on_plain():
+  off = CallChoice(enabled=False)
+  assert not any(run_calls(off, 8, {False: 9.0, True: 1.0}, 5))
+  choice = CallChoice()
+  run_calls(choice, 8, {False: 9.0, True: 1.0}, 4)
+  assert choice.plain(8) and not choice.plain(8, agree=lambda flag: False)
+  with pytest.raises(ValueError, match="explore_every"):
+    CallChoice(explore_every=1)
+
+
+def _serve(monkeypatch, choose: bool):
+  """12 greedy requests through a 2-slot live engine whose clock makes a
+  plain call 10x faster than a speculative one: (token ids by request, the
+  engine)."""
+  clock = [0.0]
+  monkeypatch.setattr(live, "_busy_clock", lambda: clock[0])
+  serve = online.Step.serve
+
+  def timed_serve(self, *args, plain=False, **kwargs):
+    state, out = serve(self, *args, plain=plain, **kwargs)
+    clock[0] += 0.1 if plain else 1.0
+    return state, out
+
+  monkeypatch.setattr(online.Step, "serve", timed_serve)
+  target, draft = tiny_pair()
+  # A ring (no clear): one update every 2 finished requests, when allowed.
+  cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2,
+                            clear_after_update=False)
+  engine = live.LiveEngine(target, draft, cfg,
+                           live.LiveConfig(num_slots=2, choose_calls=choose),
+                           mesh=online.make_mesh(1))
+  events = queue.Queue()
+  engine.start(warm_up=False)
+  tokens = {}
+  for i, q in enumerate(QUERIES[:12]):
+    tokens[i] = []
+
+    def on_event(event, i=i):
+      if isinstance(event, Tokens):
+        tokens[i].extend(event.ids)
+      elif isinstance(event, Finished):
+        events.put(i)
+
+    engine.submit(LiveRequest(list(prompt_ids(q)), RequestParams(max_tokens=MAX_NEW),
+                              on_event))
+  for _ in range(12):
+    events.get(timeout=300)
+  engine.stop()
+  monkeypatch.undo()
+  return tokens, engine
+
+
+def test_the_live_engine_runs_plain_calls_where_they_are_faster(monkeypatch):
+  always, spec = _serve(monkeypatch, choose=False)
+  chosen, engine = _serve(monkeypatch, choose=True)
+  assert chosen == always  # greedy: the target's tokens either way
+  assert spec.calls.calls[True] == 0
+  assert engine.calls.plain_share > 0.5 and engine.calls.calls[False] >= 2
+  # Plain calls take no update; the speculative ones still learn.
+  updates = lambda e: int(np.asarray(e._state.num_updates).sum())  # pylint: disable=protected-access
+  assert 1 <= updates(engine) < updates(spec) == 6
+
+
+def test_the_server_flag_turns_the_choice_on_and_off():
+  script = ("import sys; from absl import flags; from experiments import serve_flags;"
+            " flags.FLAGS(['serve'] + sys.argv[1:]);"
+            " print(serve_flags.live_config().choose_calls)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda *argv: subprocess.run([sys.executable, "-c", script, *argv], cwd=root,
+                                     capture_output=True, text=True, check=False)
+  assert run().stdout.split() == ["True"]  # auto
+  assert run("--speculate=always").stdout.split() == ["False"]
+  refused = run("--speculate=never")
+  assert refused.returncode != 0 and "speculate" in refused.stderr
