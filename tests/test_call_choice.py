@@ -1,19 +1,14 @@
 """Choosing per call between speculating and the target alone, by the clock:
 the choice, its exploration, and the live engine serving plain calls."""
 
-import dataclasses
-import os
-import queue
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from osd_jax.serving import live, online
 from osd_jax.serving.call_choice import CallChoice
-from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams, Tokens
-from tests.test_online import MAIN, MAX_NEW, QUERIES, prompt_ids, tiny_pair
+from tests.test_learning_budget import ring_engine, serve_all
+from tests.test_logprobs import serve_flags_printing
+from tests.test_online import QUERIES
 
 
 def run_calls(choice, batch, seconds, calls):
@@ -87,30 +82,8 @@ def _serve(monkeypatch, choose: bool):
     return state, out
 
   monkeypatch.setattr(online.Step, "serve", timed_serve)
-  target, draft = tiny_pair()
-  # A ring (no clear): one update every 2 finished requests, when allowed.
-  cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2,
-                            clear_after_update=False)
-  engine = live.LiveEngine(target, draft, cfg,
-                           live.LiveConfig(num_slots=2, choose_calls=choose),
-                           mesh=online.make_mesh(1))
-  events = queue.Queue()
-  engine.start(warm_up=False)
-  tokens = {}
-  for i, q in enumerate(QUERIES[:12]):
-    tokens[i] = []
-
-    def on_event(event, i=i):
-      if isinstance(event, Tokens):
-        tokens[i].extend(event.ids)
-      elif isinstance(event, Finished):
-        events.put(i)
-
-    engine.submit(LiveRequest(list(prompt_ids(q)), RequestParams(max_tokens=MAX_NEW),
-                              on_event))
-  for _ in range(12):
-    events.get(timeout=300)
-  engine.stop()
+  engine = ring_engine(choose_calls=choose)
+  tokens = serve_all(engine, QUERIES[:12])
   monkeypatch.undo()
   return tokens, engine
 
@@ -127,12 +100,7 @@ def test_the_live_engine_runs_plain_calls_where_they_are_faster(monkeypatch):
 
 
 def test_the_server_flag_turns_the_choice_on_and_off():
-  script = ("import sys; from absl import flags; from experiments import serve_flags;"
-            " flags.FLAGS(['serve'] + sys.argv[1:]);"
-            " print(serve_flags.live_config().choose_calls)")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = lambda *argv: subprocess.run([sys.executable, "-c", script, *argv], cwd=root,
-                                     capture_output=True, text=True, check=False)
+  run = serve_flags_printing("serve_flags.live_config().choose_calls")
   assert run().stdout.split() == ["True"]  # auto
   assert run("--speculate=always").stdout.split() == ["False"]
   refused = run("--speculate=never")

@@ -1,6 +1,7 @@
 """The learning budget: a due update waits while updates have taken their share."""
 
 import dataclasses
+import functools
 import queue
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 from osd_jax.serving import driver, live, online
 from osd_jax.serving.learning_budget import LearningBudget
-from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams
+from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams, Tokens
 from tests.test_online import (MAIN, MAX_NEW, QUERIES, admit, fresh_state, host, max_abs_diff,
                                placed_target, prompt_ids, serve_stream, tiny_pair)
 
@@ -115,24 +116,42 @@ def test_the_driver_holds_updates_to_their_share_of_the_clock(monkeypatch):
   assert sum(r["update_s"] for r in updates(held)) <= 0.2 * serving_s + 0.9
 
 
-def _live_updates(monkeypatch, budget: float) -> int:
-  """Updates of the live engine over 24 requests, its clock a _fake_clock."""
-  _fake_clock(monkeypatch, live, "_busy_clock")
+def ring_engine(**live_fields) -> live.LiveEngine:
+  """A 2-slot live engine over the tiny pair, learning from a ring (no
+  clear): exactly one update per 2 finished requests, when allowed."""
   target, draft = tiny_pair()
   cfg = dataclasses.replace(MAIN, sampling=None, update_interval=2,
                             clear_after_update=False)
-  engine = live.LiveEngine(target, draft, cfg,
-                           live.LiveConfig(num_slots=2, learning_budget=budget),
-                           mesh=online.make_mesh(1))
-  finished = queue.Queue()
+  return live.LiveEngine(target, draft, cfg, live.LiveConfig(num_slots=2, **live_fields),
+                         mesh=online.make_mesh(1))
+
+
+def serve_all(engine: live.LiveEngine, queries) -> list[list[int]]:
+  """Starts the engine, serves every query (greedy, MAX_NEW tokens) to its
+  end and stops it; the token ids each got."""
+  finished, tokens = queue.Queue(), [[] for _ in queries]
+
+  def on_event(i, event):
+    if isinstance(event, Tokens):
+      tokens[i].extend(event.ids)
+    elif isinstance(event, Finished):
+      finished.put(i)
+
   engine.start(warm_up=False)
-  for q in QUERIES[:24]:
+  for i, q in enumerate(queries):
     engine.submit(LiveRequest(list(prompt_ids(q)), RequestParams(max_tokens=MAX_NEW),
-                              lambda event: isinstance(event, Finished)
-                              and finished.put(event)))
-  for _ in range(24):
+                              functools.partial(on_event, i)))
+  for _ in queries:
     finished.get(timeout=300)
   engine.stop()
+  return tokens
+
+
+def _live_updates(monkeypatch, budget: float) -> int:
+  """Updates of the live engine over 24 requests, its clock a _fake_clock."""
+  _fake_clock(monkeypatch, live, "_busy_clock")
+  engine = ring_engine(learning_budget=budget)
+  serve_all(engine, QUERIES[:24])
   monkeypatch.undo()
   return int(np.asarray(engine._state.num_updates).sum())  # pylint: disable=protected-access
 

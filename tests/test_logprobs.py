@@ -340,15 +340,21 @@ def test_the_feature_off_adds_no_state_and_no_compute():
   assert "top_k" in ops(on)
 
 
+def serve_flags_printing(expression: str):
+  """A runner of experiments.serve's flags in a fresh process: run(*argv)
+  parses argv and prints `expression` (over serve_flags)."""
+  script = ("import sys; from absl import flags; from experiments import serve_flags;"
+            " flags.FLAGS(['serve'] + sys.argv[1:]);"
+            f" print({expression})")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return lambda *argv: subprocess.run([sys.executable, "-c", script, *argv], cwd=root,
+                                      capture_output=True, text=True, check=False)
+
+
 def test_the_server_flag_sets_the_slots_width():
   """--max_logprobs is OnlineConfig.max_logprobs (the slots' top N and the
   limit experiments.serve gives the API); beyond OpenAI's 20 it is refused."""
-  script = ("import sys; from absl import flags; from experiments import serve_flags;"
-            " flags.FLAGS(['serve'] + sys.argv[1:]);"
-            " print(serve_flags.online_config().max_logprobs)")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = lambda *argv: subprocess.run([sys.executable, "-c", script, *argv], cwd=root,
-                                     capture_output=True, text=True, check=False)
+  run = serve_flags_printing("serve_flags.online_config().max_logprobs")
   assert run("--max_logprobs=3").stdout.split() == ["3"]
   assert run().stdout.split() == ["20"]
   refused = run("--max_logprobs=21")
