@@ -272,12 +272,6 @@ def commit_pass(drafter, draft_params, draft, verified: Verified, window,
       draft_params, draft, verified.narrowed(w), window))
 
 
-def _no_proposal(batch_size: int, vocab_size: int) -> Proposal:
-  return Proposal(jnp.zeros((batch_size, 0), jnp.int32),
-                  jnp.zeros((batch_size, 0, vocab_size), jnp.float32),
-                  jnp.zeros((batch_size,), jnp.int32))
-
-
 def speculate_and_verify(target_params, draft_params, state: SpecState, *,
                          target_config: LlamaConfig, drafter, k: int,
                          sampling: Sampling | None,
@@ -321,7 +315,7 @@ def speculate_and_verify(target_params, draft_params, state: SpecState, *,
     proposal, draft = drafter.propose(draft_params, state.draft, ctx, draft_keys, k,
                                       sampling, window)
   else:  # a plain target step: the drafter keeps in step through its commit
-    proposal, draft = _no_proposal(m.shape[0], target_config.vocab_size), state.draft
+    proposal, draft = Proposal.empty(m.shape[0], target_config.vocab_size), state.draft
   proposal = proposal.replace(num_proposed=ctx.within_limit(proposal.num_proposed))
   verify = jnp.concatenate([ctx.last_token[:, None], proposal.tokens], axis=1)
   widths = verify_widths(k) if trim_verify else (k + 1,)

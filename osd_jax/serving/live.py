@@ -418,12 +418,11 @@ class LiveEngine:
     # update counts.
     needs = (self.cfg.window(int(self._lengths[occupied].max())),
              slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
-    window, batch = self.plan.program(*needs)
     # The choice is per load (slots in use), between the programs serving it.
-    plain = (self.plan.plain_program(*needs) is not None
+    plain_program = self.plan.plain_program(*needs)
+    plain = (plain_program is not None
              and self.calls.plain(needs[1], distributed.all_agree))
-    if plain:
-      window, batch = self.plan.plain_program(*needs)
+    window, batch = plain_program if plain else self.plan.program(*needs)
     start = _busy_clock()
     self._state, out = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,

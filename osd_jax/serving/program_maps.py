@@ -102,13 +102,12 @@ class Plan:
 
   def plain_program(self, window: int, batch: int) -> tuple[int, int] | None:
     """As `program`, of the plain programs (None: none holds the call)."""
-    return _smallest(self.plain, window, batch) if any(
-        w >= window and b >= batch for w, b in self.plain) else None
+    return _smallest(self.plain, window, batch)
 
 
-def _smallest(programs, window: int, batch: int) -> tuple[int, int]:
+def _smallest(programs, window: int, batch: int) -> tuple[int, int] | None:
   return min(((w, b) for w, b in programs if w >= window and b >= batch),
-             key=lambda program: (program[1], program[0]))
+             key=lambda program: (program[1], program[0]), default=None)
 
 
 def _by_use(windows: tuple[int, ...], batches: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -55,6 +55,13 @@ class Proposal:
   logits: jax.Array  # [B, k, V] full vocabulary; one-hot rows for fixed picks
   num_proposed: jax.Array  # [B] how many of the k count (0: no draft this step)
 
+  @classmethod
+  def empty(cls, batch_size: int, vocab_size: int) -> "Proposal":
+    """No tokens at all (k = 0): a plain target step."""
+    return cls(jnp.zeros((batch_size, 0), jnp.int32),
+               jnp.zeros((batch_size, 0, vocab_size), jnp.float32),
+               jnp.zeros((batch_size,), jnp.int32))
+
 
 @flax.struct.dataclass
 class Verified:
@@ -206,10 +213,7 @@ class NoDraft:
   def propose(self, params, state, ctx, rng_B, k, sampling, window, forced=None):
     if k:
       raise ValueError("NoDraft proposes nothing: use k = 0.")
-    b = ctx.lengths.shape[0]
-    return Proposal(jnp.zeros((b, 0), jnp.int32),
-                    jnp.zeros((b, 0, self.vocab_size), jnp.float32),
-                    jnp.zeros((b,), jnp.int32)), state
+    return Proposal.empty(ctx.lengths.shape[0], self.vocab_size), state
 
   def commit(self, params, state, verified, window):
     return state
