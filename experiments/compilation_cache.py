@@ -17,6 +17,7 @@ import jaxlib
 
 DEFAULT_ROOT = os.path.join("~", ".cache", "osd_jax", "xla")
 _ENV = "JAX_COMPILATION_CACHE_DIR"  # where jax itself looks (tests set it)
+_MIN_SECONDS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 FLAG = flags.DEFINE_string(
     "compilation_cache", DEFAULT_ROOT, "Persistent XLA compilation cache, so a"
@@ -59,8 +60,13 @@ def enable(folder: str | None) -> None:
   """Points jax's persistent cache at `folder` (None: no persistent cache)."""
   if folder is None:
     jax.config.update("jax_enable_compilation_cache", False)
-  else:
-    jax.config.update("jax_compilation_cache_dir", folder)
+    return
+  jax.config.update("jax_compilation_cache_dir", folder)
+  # jax keeps only programs that took a second or more to compile. A start
+  # also compiles ~180 small ones (loading, eager ops, warm-up) at ~0.1-0.2 s
+  # each: a third of a restart when they compile again (SmolLM2, 2-core CPU).
+  if _MIN_SECONDS_ENV not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def enable_from_flag() -> None:

@@ -73,10 +73,9 @@ def _student_rows(target_params, draft_params, state, rows, rng,
 
 
 def learn(target_params, state, finished, rng, may_update, *,
-          target_config, drafter, cfg, axis_name, can_update: bool = True):
+          target_config, drafter, cfg, axis_name):
   """Buffers every finished request with its draft; updates drafts whose turn
-  it is, if `may_update` (else they wait: learning_budget). Without
-  `can_update` (static) the program holds no update at all: due ones wait.
+  it is, if `may_update` (else they wait: learning_budget).
 
   A draft's turn comes every `update_interval` finished requests. Where this
   call's requests would overwrite samples not yet trained on, the update
@@ -88,8 +87,6 @@ def learn(target_params, state, finished, rng, may_update, *,
   few steps, not the whole update. Requests that finish meanwhile join the
   ring the later steps draw from; another update starts only after it.
   """
-  if not can_update:
-    may_update = jnp.bool_(False)
   slots = state.slots
   rows = record_samples(state.records, slots, max_len=cfg.sample_len,
                         gen_len=cfg.max_new_tokens, weighting=cfg.loss_weighting)
@@ -180,7 +177,7 @@ def learn(target_params, state, finished, rng, may_update, *,
     unchanged = (take(params), take(opt_state), buf, first_loss[d], jnp.int32(0),
                  nan, steps_done[d], jnp.bool_(False))
     p, o, buf, loss, bad, estimate, done, do = (
-        when(stepping, train, unchanged) if can_update else unchanged)
+        when(stepping, train, unchanged))
     buf = when(first & is_new.any(), add, buf)
     if gated is not None:
       draft_states[d] = gated.with_estimate(draft_states[d], estimate, cfg.k)

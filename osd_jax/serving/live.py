@@ -112,6 +112,9 @@ class LiveEngine:
     self.calls = CallChoice(live.choose_calls and cfg.k > 0)  # plain or not
     # Before any program compiles: the programs it will hold must fit.
     self.plan = self._plan(memory_maps())
+    # What calls may run: the plan's programs compiled so far (all of them
+    # when the engine compiles on first use instead, start(warm_up=False)).
+    self.compiled = self.plan
     self._commands: queue.Queue = queue.Queue()
     self._pending: collections.deque[LiveRequest] = collections.deque()
     self._owner: list[LiveRequest | None] = [None] * live.num_slots
@@ -122,6 +125,7 @@ class LiveEngine:
     self._updates_saved = self._counts[0]
     self._learning = LearningBudget(live.learning_budget if cfg.learn else 0.0)
     self._thread: threading.Thread | None = None
+    self._compiler: threading.Thread | None = None  # compiles while serving
     self._ready = threading.Event()  # warmed up: requests are taken
     self._accepting = True
     self.failure: str | None = None
@@ -209,6 +213,10 @@ class LiveEngine:
     if self._thread is not None:
       self._commands.put(("stop",))
       self._thread.join(timeout)
+    if self._compiler is not None and self._compiler.is_alive():
+      # It ends after the program it is compiling (a compile cannot be cut).
+      print("stopping: waiting for the program being compiled", flush=True)
+      self._compiler.join(timeout)
 
   # Engine thread ---------------------------------------------------------
 
@@ -234,9 +242,9 @@ class LiveEngine:
                   ) if self.calls.enabled else None
     plan = program_maps.plan(
         windows, batches, serve_maps=lambda batch: program_maps.serve_program_maps(
-            batch, target_layers + draft_layers, lengths),
+            batch, target_layers + draft_layers),
         inserts=len(self._widths()),
-        maps=maps, flag_hint="lower --cache_size (fewer windows and update"
+        learn_maps=program_maps.learn_program_maps(lengths), maps=maps, flag_hint="lower --cache_size (fewer windows and update"
         " lengths) or --slots, or pass --nolearn", plain_maps=plain_maps)
     full = len(windows) * len(batches)
     full_plain = full if plain_maps else 0
@@ -251,27 +259,73 @@ class LiveEngine:
     return plan
 
   def _warm_up(self) -> None:
-    """Compiles every program a request can call, each run as a no-op."""
+    """Compiles the inserts, the learn program and the programs that hold
+    any call (the widest window, at every batch): the engine is ready then.
+    Where this host serves alone, the rest of the plan compiles on a thread
+    of its own while the engine serves, each program taken up as it is
+    ready: a start is minutes sooner on a CPU, where a serve program takes
+    30-60 s to compile. Hosts serving together compile them all first: a
+    call's program must be the same on every host."""
     widths, plan = self._widths(), self.plan
-    programs = ([(shape, False) for shape in plan.programs]
-                + [(shape, True) for shape in plan.plain])
-    bar = progress.bar(len(widths) + len(programs), "compiling", "programs")
+    widest = max(window for window, _ in plan.programs)
+    every = ([(shape, False) for shape in plan.programs]
+             + [(shape, True) for shape in plan.plain])
+    alone = jax.process_count() == 1
+    first = [p for p in every if p[0][0] == widest or not alone]
+    # Plain programs first: under load most calls run them, and they compile
+    # in a fifth of a serve program's time.
+    rest = sorted((p for p in every if p not in first),
+                  key=lambda p: (not p[1], -p[0][0], p[0][1]))
+    bar = progress.bar(len(widths) + len(first), "compiling", "programs")
     for width in widths:
       if not self._accepting:  # stopped while starting: compile no more
         return
       self._insert_nothing(width)
       bar.update(1)
     scratch = jax.tree.map(jnp.copy, self._state)  # serve donates it
+    scratch = self._compile(first, scratch, bar.update)
+    bar.close()
+    if scratch is None:
+      return
+    self._free_slots(np.zeros(self.live.num_slots, bool))
+    self.compiled = plan.only(first)
+    if rest:
+      print(f"{len(rest)} more programs (narrower windows) compile while serving",
+            flush=True)
+      self._compiler = threading.Thread(target=self._compile_rest,
+                                        args=(rest, scratch), name="osd-compile")
+      self._compiler.start()
+
+  def _compile(self, programs, scratch, done: Callable[[int], object]):
+    """Compiles these serve programs ((window, batch), plain), each run as a
+    no-op on `scratch`, which it returns (None: the engine stopped)."""
     for (window, batch), plain in programs:
       if not self._accepting:
-        return
+        return None
       scratch, _ = self._step.serve(self._target_params, scratch,
                                     steps=self.cfg.steps_per_call, window=window,
                                     batch=batch, may_update=False, plain=plain)
-      bar.update(1)
-    jax.block_until_ready(scratch)
-    bar.close()
-    self._free_slots(np.zeros(self.live.num_slots, bool))
+      jax.block_until_ready(scratch)
+      done(1)
+    return scratch
+
+  def _compile_rest(self, programs, scratch) -> None:
+    """The compile thread: the plan's other programs, each usable by the
+    next call once compiled (`compiled` is replaced whole, never changed)."""
+    start = time.monotonic()
+    try:
+      for program in programs:
+        scratch = self._compile([program], scratch, lambda _: None)
+        if scratch is None:
+          return
+        self.compiled = self.compiled.with_program(*program)
+    except Exception as error:  # pylint: disable=broad-except
+      self.failure = f"compile error: {type(error).__name__}: {error}"
+      traceback.print_exc()
+      self.on_failure(self.failure)
+      return
+    print(f"compiled the other {len(programs)} programs while serving, in"
+          f" {time.monotonic() - start:.0f} s", flush=True)
 
   def _insert_nothing(self, width: int) -> None:
     """Compiles the insert program of one prompt width (no slot is touched)."""
@@ -419,10 +473,11 @@ class LiveEngine:
     needs = (self.cfg.window(int(self._lengths[occupied].max())),
              slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
     # The choice is per load (slots in use), between the programs serving it.
-    plain_program = self.plan.plain_program(*needs)
+    compiled = self.compiled
+    plain_program = compiled.plain_program(*needs)
     plain = (plain_program is not None
              and self.calls.plain(needs[1], distributed.all_agree))
-    window, batch = plain_program if plain else self.plan.program(*needs)
+    window, batch = plain_program if plain else compiled.program(*needs)
     start = _busy_clock()
     self._state, out = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,

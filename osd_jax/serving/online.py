@@ -1,13 +1,19 @@
 """The serve-and-learn step on the slot engine, replicated over a device mesh.
 
-Two compiled programs, each a shard_map over a 1-D mesh: `insert` prefills
-at most one new request per device into a free slot; `serve` runs a bounded
-number of speculative steps over every slot, puts the requests that
-finished into the buffer of their draft, and every I finished requests takes
-that draft's update, all in the same call. Slots and buffers are split over
-devices; drafts and optimizer states are replicated, and the update sums
-losses, weights and gradients over devices before dividing, so every
-replica stays equal to what one device would compute.
+Compiled programs, each a shard_map over a 1-D mesh: `insert` prefills at
+most one new request per device into a free slot; `serve` runs a bounded
+number of speculative steps over every slot (one program per window and
+batch); `learn` puts the requests that finished into the buffer of their
+draft and, every I finished requests, takes that draft's update. A serve
+call dispatches `serve` then `learn`, with no wait for the host between
+them. The update lives in one program, not in each serve program: it is
+most of a serve program's kernels (every sample length compiles a branch),
+so a copy in each of 20-40 serve programs multiplied compile time, load
+time from the persistent cache and memory mappings (program_maps.py).
+Slots and buffers are split over devices; drafts and optimizer states are
+replicated, and the update sums losses, weights and gradients over devices
+before dividing, so every replica stays equal to what one device would
+compute.
 """
 
 import dataclasses
@@ -268,20 +274,18 @@ def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1
   return when(slot_1[0] >= 0, admit, state)
 
 
-def serve_and_learn(target_params, state: OnlineState, refill=False,
-                    may_update=True, *,
-                    target_config, drafter, cfg: OnlineConfig, steps: int,
-                    window: int, batch: int | None = None,
-                    axis_name: str | None = None, plain: bool = False):
-  """One device's call: decode its slots, then buffer and learn (shard_map body).
+def serve(target_params, state: OnlineState, refill=False, *,
+          target_config, drafter, cfg: OnlineConfig, steps: int, window: int,
+          batch: int | None = None, axis_name: str | None = None,
+          plain: bool = False):
+  """One device's call: decode its slots (shard_map body); the state and
+  which slots finished in it, for `learn`.
 
   Only the first `batch` local slots (all if None) are decoded: the host
   keeps every request there; each step drafts cfg.k_at(batch) tokens. With
-  `refill` (requests are waiting) decoding stops at the first step in which a slot finishes, on every device
-  (slots.decode_loop). Without `may_update`, a due update waits for a
-  later call. A `plain` call takes plain target steps (k = 0: no draft
-  runs) and takes no update (its program holds none); it still buffers
-  the requests that finish.
+  `refill` (requests are waiting) decoding stops at the first step in which
+  a slot finishes, on every device (slots.decode_loop). A `plain` call
+  takes plain target steps (k = 0: no draft runs).
   """
   drafter = multi(drafter, cfg)
   target_params = llama.for_decoding(target_params, target_config)
@@ -318,18 +322,29 @@ def serve_and_learn(target_params, state: OnlineState, refill=False,
     slots, records = slot_lib.on_first_slots(
         lambda s: decode(s, state.records)[0], state.slots, batch,
         num_slots), state.records
-  state = state.replace(slots=slots, records=records)
-  nan = jnp.full((cfg.num_drafts,), jnp.nan, jnp.float32)
-  nothing = StepOutput(jnp.zeros((cfg.num_drafts,), bool), nan,
-                       jnp.zeros((cfg.num_drafts,), jnp.int32), nan,
-                       jnp.zeros((cfg.num_drafts,), bool))
-  if not cfg.learn:
-    return state, nothing
+  return state.replace(slots=slots, records=records), slots.done & ~was_done
+
+
+def learn(target_params, state: OnlineState, finished, may_update, *,
+          target_config, drafter, cfg: OnlineConfig, axis_name: str | None = None):
+  """One device's learning after a serve call (shard_map body): buffer the
+  `finished` requests, update the drafts whose turn it is (learning.learn);
+  without `may_update` a due update waits for a later call."""
+  drafter = multi(drafter, cfg)
+  target_params = llama.for_decoding(target_params, target_config)
   rng, learn_rng = jax.random.split(state.rng[0])
   state = state.replace(rng=rng[None])
-  return learning.learn(target_params, state, slots.done & ~was_done, learn_rng,
-                may_update, target_config=target_config, drafter=drafter, cfg=cfg,
-                axis_name=axis_name, can_update=not plain)
+  return learning.learn(target_params, state, finished, learn_rng, may_update,
+                        target_config=target_config, drafter=drafter, cfg=cfg,
+                        axis_name=axis_name)
+
+
+def did_nothing(num_drafts: int) -> StepOutput:
+  """The StepOutput of a call that did not learn."""
+  nan = np.full((num_drafts,), np.nan, np.float32)
+  return StepOutput(np.zeros((num_drafts,), bool), nan,
+                    np.zeros((num_drafts,), np.int32), nan,
+                    np.zeros((num_drafts,), bool))
 
 
 _STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(),
@@ -337,7 +352,7 @@ _STATE_SPECS = OnlineState(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), P(
 
 
 class Step:
-  """The two compiled programs for one (mesh, models, settings); memoised."""
+  """The compiled programs for one (mesh, models, settings); memoised."""
 
   def __init__(self, mesh, *, target_config, drafter, cfg: OnlineConfig):
     self.mesh, self.cfg = mesh, cfg
@@ -351,6 +366,12 @@ class Step:
         in_specs=(P(), _STATE_SPECS) + (row,) * rows,
         out_specs=_STATE_SPECS, check_vma=False), donate_argnums=(1,))
     self._serve = {}
+    self.learn = jax.jit(jax.shard_map(
+        functools.partial(learn, **self.statics, axis_name=AXIS), mesh=mesh,
+        in_specs=(P(), _STATE_SPECS, row, P()),
+        out_specs=(_STATE_SPECS, StepOutput(P(), P(), P(), P(), P())),
+        check_vma=False), donate_argnums=(1,))
+    self._nothing = distributed.replicate(did_nothing(cfg.num_drafts), mesh)
     # The flags as the programs take them, placed once, not every call.
     self._flag = {flag: distributed.replicate(np.bool_(flag), mesh)
                   for flag in (False, True)}
@@ -359,20 +380,20 @@ class Step:
             batch: int | None = None, refill: bool = False,
             may_update: bool = True, plain: bool = False):
     """Up to `steps` speculative steps over the first `batch` slots of each
-    device (all if None; fewer steps with `refill`, and a due update waits
-    without `may_update`; `plain`: target steps, no update; see
-    serve_and_learn); one program per (window, batch, plain)."""
+    device (all if None; fewer steps with `refill`; `plain`: target steps;
+    see `serve`), then, when learning, `learn` (a due update waits without
+    `may_update`); one serve program per (window, batch, plain)."""
     key = steps, window, batch, plain
     if key not in self._serve:
-      body = functools.partial(serve_and_learn, **self.statics, steps=steps,
-                               window=window, batch=batch, axis_name=AXIS,
-                               plain=plain)
+      body = functools.partial(serve, **self.statics, steps=steps, window=window,
+                               batch=batch, axis_name=AXIS, plain=plain)
       self._serve[key] = jax.jit(jax.shard_map(
-          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P(), P()),
-          out_specs=(_STATE_SPECS, StepOutput(P(), P(), P(), P(), P())), check_vma=False),
-          donate_argnums=(1,))
-    return self._serve[key](target_params, state, self._flag[bool(refill)],
-                            self._flag[bool(may_update)])
+          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P()),
+          out_specs=(_STATE_SPECS, P(AXIS)), check_vma=False), donate_argnums=(1,))
+    state, finished = self._serve[key](target_params, state, self._flag[bool(refill)])
+    if not self.cfg.learn:
+      return state, self._nothing
+    return self.learn(target_params, state, finished, self._flag[bool(may_update)])
 
 
 @functools.lru_cache(maxsize=16)

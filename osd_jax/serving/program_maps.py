@@ -24,28 +24,28 @@ HEADROOM = 0.9
 RAISE_IT = "sudo sysctl -w vm.max_map_count=262144"
 
 # Mappings per compiled program, measured (/proc/self/maps before and after
-# each compile) on an Intel Xeon with AMX, 2 cores, jax 0.10.2, k=4, 8 slots:
-#                       SmolLM2-135M + 2-layer draft   tiny 3 + 1 layers
-#   serve, 1 slot:          2,192                          1,731
-#   serve, 4 or 8 slots:    3,876                          2,163
-#   the same, learning:   +1,470 (5 update lengths)      +1,300 (4 lengths)
+# each compile), jax 0.10.2, k=4, SmolLM2-135M (30 layers) and the 2-layer
+# draft, the server's defaults (cache 1024: 5 update lengths):
+#                        Xeon with AMX (2026-12-05)   EPYC with AVX-512 (2026-12-07)
+#   serve, 1 slot:           2,192                        2,326
+#   serve, 4 or 8 slots:     3,876                        4,053 (8)
+#   plain, 1 / 8 slots:                                     924 / 602
+#   learn (once):                                         1,665
 #   insert (a prefill):       ~195
-# Decoding unrolls its layers (about 62 mappings each, 17 at one slot); the
+# Decoding unrolls its layers (about 62 mappings each, 17 at one slot). The
 # update does not, but compiles one branch per sample length
-# (objectives._LENGTHS up to the cache size). The figures below round every
-# measurement up. Checked whole: the server's defaults plan 11 serve programs
-# and 9 inserts at 56,324 mappings; compiling them took the process from 880
-# to 54,141.
-MAPS_PER_PROGRAM = 2050
+# (objectives._LENGTHS up to the cache size); it lives in the one learn
+# program (online.py), where a copy in every serve program used to add
+# ~1,450 to each. The figures below round every measurement up.
+MAPS_PER_PROGRAM = 2150
 MAPS_PER_LAYER = 62
 # One slot verifies without packing: fewer kernels, fewer of them per layer.
 MAPS_PER_PROGRAM_AT_ONE_SLOT = 1800
 MAPS_PER_LAYER_AT_ONE_SLOT = 17
+MAPS_PER_LEARN_PROGRAM = 200
 MAPS_PER_UPDATE_LENGTH = 330
-# A plain program (target steps, no update: call_choice.py) has one pass a
-# step, no packing branches and no update: measured beside the serve
-# programs above (cache 512, learning), 1,032 at one slot and 709 at 8
-# (SmolLM2, 30 layers), against 3,755 and 5,508 for the serve programs.
+# A plain program (target steps: call_choice.py) has one pass a step and no
+# packing branches.
 MAPS_PER_PLAIN_PROGRAM = 400
 MAPS_PER_PLAIN_LAYER = 25
 MAPS_PER_INSERT = 250
@@ -69,15 +69,20 @@ def memory_maps(limit_path: str | None = None,
     return None
 
 
-def serve_program_maps(batch: int, decode_layers: int, update_lengths: int = 0) -> int:
-  """Estimated mappings of one serve program over `batch` slots a device:
-  `decode_layers` (target and draft) unrolled, and one update branch per
-  sample length (0: no learning)."""
+def serve_program_maps(batch: int, decode_layers: int) -> int:
+  """Estimated mappings of one serve program over `batch` slots a device,
+  `decode_layers` (target and draft) unrolled."""
   if batch == 1:
-    base = MAPS_PER_PROGRAM_AT_ONE_SLOT + MAPS_PER_LAYER_AT_ONE_SLOT * decode_layers
-  else:
-    base = MAPS_PER_PROGRAM + MAPS_PER_LAYER * decode_layers
-  return base + MAPS_PER_UPDATE_LENGTH * update_lengths
+    return MAPS_PER_PROGRAM_AT_ONE_SLOT + MAPS_PER_LAYER_AT_ONE_SLOT * decode_layers
+  return MAPS_PER_PROGRAM + MAPS_PER_LAYER * decode_layers
+
+
+def learn_program_maps(update_lengths: int) -> int:
+  """Estimated mappings of the learn program: one update branch per sample
+  length (0: not learning, no program)."""
+  if not update_lengths:
+    return 0
+  return MAPS_PER_LEARN_PROGRAM + MAPS_PER_UPDATE_LENGTH * update_lengths
 
 
 def plain_program_maps(target_layers: int) -> int:
@@ -104,6 +109,18 @@ class Plan:
     """As `program`, of the plain programs (None: none holds the call)."""
     return _smallest(self.plain, window, batch)
 
+  def only(self, programs) -> "Plan":
+    """This plan cut to these ((window, batch), plain) programs."""
+    return dataclasses.replace(
+        self, programs=tuple(sorted(s for s, plain in programs if not plain)),
+        plain=tuple(sorted(s for s, plain in programs if plain)))
+
+  def with_program(self, shape: tuple[int, int], plain: bool) -> "Plan":
+    """This plan with one more (window, batch) program."""
+    if plain:
+      return dataclasses.replace(self, plain=tuple(sorted(self.plain + (shape,))))
+    return dataclasses.replace(self, programs=tuple(sorted(self.programs + (shape,))))
+
 
 def _smallest(programs, window: int, batch: int) -> tuple[int, int] | None:
   return min(((w, b) for w, b in programs if w >= window and b >= batch),
@@ -127,25 +144,31 @@ def _by_use(windows: tuple[int, ...], batches: tuple[int, ...]) -> list[tuple[in
 def plan(windows: Sequence[int], batches: Sequence[int], *,
          serve_maps: Callable[[int], int], inserts: int,
          maps: tuple[int, int] | None, flag_hint: str,
-         plain_maps: Callable[[int], int] | None = None) -> Plan:
+         plain_maps: Callable[[int], int] | None = None, learn_maps: int = 0) -> Plan:
   """The most useful of these (window, batch) programs that fit beside the
-  `maps` held (memory_maps()) with `inserts` prefill programs, a serve
-  program over b slots holding serve_maps(b) mappings: all of them where
-  they fit. ProgramsDoNotFit names what to change when not even the widest
+  `maps` held (memory_maps()) with `inserts` prefill programs and the learn
+  program (`learn_maps`; 0: none), a serve program over b slots holding
+  serve_maps(b) mappings: all of them where they fit. ProgramsDoNotFit names what to change when not even the widest
   window over every slot fits; `flag_hint` says which flags shrink it.
 
-  With `plain_maps`, plain programs (b slots: plain_maps(b) mappings) too:
-  at the widest window right after the serve programs there, the rest
-  after all serve programs."""
+  With `plain_maps`, plain programs (b slots: plain_maps(b) mappings) too.
+  Under load most calls run plain (a verification over many rows costs
+  more than its tokens on a CPU), and a plain program costs a third of a
+  serve program's mappings or less: after the widest window's serve and
+  plain programs, each narrower window (widest first) brings its plain
+  programs and its one-slot serve program, then come the other serve
+  programs."""
   windows, batches = tuple(sorted(windows)), tuple(sorted(batches))
-  total = inserts * MAPS_PER_INSERT
+  total = inserts * MAPS_PER_INSERT + learn_maps
   room = math.inf if maps is None else math.floor(HEADROOM * maps[1]) - maps[0]
   order = [(w, b, False) for w, b in _by_use(windows, batches)]
   if plain_maps is not None:
-    plain = [(w, b, True) for w, b in _by_use(windows, batches)]
-    wide = [item for item in plain if item[0] == windows[-1]]
-    order = (order[:len(batches)] + wide + order[len(batches):]
-             + [item for item in plain if item not in wide])
+    widest, rest = windows[-1], windows[-2::-1]
+    order = ([(widest, b, False) for b in batches[::-1]]
+             + [(widest, b, True) for b in batches[::-1]]
+             + [item for w in rest for item in [(w, b, True) for b in batches[::-1]]
+                + [(w, batches[0], False)]]
+             + [(w, b, False) for w in rest for b in batches[1:]])
   chosen, plains = [], []
   for window, batch, is_plain in order:
     cost = (plain_maps if is_plain else serve_maps)(batch)
@@ -155,7 +178,8 @@ def plan(windows: Sequence[int], batches: Sequence[int], *,
     elif not chosen:
       held, limit = maps
       raise ProgramsDoNotFit(
-          f"Even the fewest programs this configuration needs ({inserts + 1}) would"
+          f"Even the fewest programs this configuration needs"
+          f" ({inserts + 1 + bool(learn_maps)}) would"
           f" hold about {total + serve_maps(batch):,} memory mappings beside the"
           f" {held:,} this process holds, over {HEADROOM:.0%} of vm.max_map_count ="
           f" {limit:,}: {flag_hint}, or raise the limit ({RAISE_IT}).")
