@@ -12,7 +12,6 @@ ones it compiles while serving too, whose time it reports.
 """
 
 import os
-import re
 import shlex
 import tempfile
 import time
@@ -24,26 +23,19 @@ from experiments.server_process import ServerProcess
 SERVER_FLAGS = flags.DEFINE_string("server_flags", "", "Flags for experiments.serve.")
 TIMEOUT = flags.DEFINE_integer("timeout", 1800, "Seconds a start may take.")
 FIRST_GOAL_S, SECOND_GOAL_S = 300, 60
-_LEFT = "compile while serving"  # the server says so when it is ready
-_REST = re.compile(r"compiled the other (\d+) programs while serving, in (\d+) s")
 
 
 def _start(flags_: list[str], log: str) -> tuple[float, str]:
-  """(Seconds until /health answered 200, what the server said of the
-  programs it compiled while serving.)"""
+  """(Seconds until /health answered 200, what the server compiled while
+  serving after that.)"""
   server = ServerProcess(flags_, log)
   try:
     start = time.perf_counter()
     server.wait_ready(TIMEOUT.value)
     ready_s = time.perf_counter() - start
-    deadline = time.monotonic() + TIMEOUT.value
-    while (_LEFT in server.log() and not _REST.search(server.log())
-           and time.monotonic() < deadline):
-      time.sleep(1)
-    found = _REST.search(server.log())
-    rest = (f"then {found.group(1)} more programs in {found.group(2)} s while serving"
-            if found else "no programs compiled while serving")
-    return ready_s, rest
+    rest = server.wait_compiled(TIMEOUT.value)
+    return ready_s, (f"then {rest[0]} more programs in {rest[1]:.0f} s while serving"
+                     if rest else "no programs compiled while serving")
   finally:
     server.stop(timeout=300)
 

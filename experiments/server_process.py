@@ -12,6 +12,11 @@ import urllib.error
 import urllib.request
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What serving/live.py says as it becomes ready, and once it has compiled
+# the rest of its programs.
+_COMPILING_WHILE_SERVING = "compile while serving"
+_COMPILED_WHILE_SERVING = re.compile(
+    r"compiled the other (\d+) programs while serving, in (\d+) s")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
 
 
@@ -69,6 +74,21 @@ class ServerProcess:
         pass
       time.sleep(0.5)
     raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+
+  def wait_compiled(self, timeout: float) -> tuple[int, float] | None:
+    """After wait_ready: until the programs the server compiles while it
+    serves are compiled (the narrower windows'); (how many, their seconds)
+    as it reports them, or None where it compiled none that way."""
+    deadline = time.monotonic() + timeout
+    while _COMPILING_WHILE_SERVING in self.log():
+      found = _COMPILED_WHILE_SERVING.search(self.log())
+      if found:
+        return int(found.group(1)), float(found.group(2))
+      if self.process.poll() is not None or time.monotonic() > deadline:
+        raise RuntimeError(f"server compiling while serving exited or took over"
+                           f" {timeout} s:\n{self.log()}")
+      time.sleep(0.5)
+    return None
 
   def get(self, path: str) -> str:
     with urllib.request.urlopen(self.url + path, timeout=30) as r:

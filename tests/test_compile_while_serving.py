@@ -1,5 +1,6 @@
-"""The live engine is ready once the programs that hold any call are compiled;
-the rest of its plan compiles while it serves, each taken up when ready."""
+"""The live engine is ready once the programs that hold any call (the widest
+window over every slot) are compiled; the rest of its plan compiles while it
+serves, each taken up when ready."""
 
 import dataclasses
 import functools
@@ -32,6 +33,8 @@ def _serve(engine: live.LiveEngine, prompts) -> list[list[int]]:
 
 
 def test_ready_on_the_widest_programs_then_the_rest_compile_while_serving(monkeypatch):
+  """Requests served before and after the rest compiled get the target's
+  greedy tokens; until then only the first programs run."""
   target, draft = tiny_pair()
   engine = live.LiveEngine(target, draft, dataclasses.replace(MAIN, sampling=None),
                            live.LiveConfig(num_slots=2, choose_calls=True),
@@ -46,6 +49,13 @@ def test_ready_on_the_widest_programs_then_the_rest_compile_while_serving(monkey
     compile_rest(self, programs, scratch)
 
   monkeypatch.setattr(live.LiveEngine, "_compile_rest", held)
+  calls, serve = [], online.Step.serve
+
+  def watched(self, *args, **kwargs):
+    calls.append((kwargs["window"], kwargs["batch"]))
+    return serve(self, *args, **kwargs)
+
+  monkeypatch.setattr(online.Step, "serve", watched)
   prompts = [list(prompt_ids(q)) for q in QUERIES[:6]]
   reference = [r.token_ids for r in Engine(target, k=0, max_new_tokens=MAX_NEW,
                                            num_slots=2).generate_ids(prompts)]
@@ -53,17 +63,18 @@ def test_ready_on_the_widest_programs_then_the_rest_compile_while_serving(monkey
   try:
     assert engine.healthy
     ready = engine.compiled
-    assert ready.programs == tuple(p for p in plan.programs if p[0] == widest)
-    assert ready.plain == tuple(p for p in plan.plain if p[0] == widest)
+    assert ready.programs == ready.plain == ((widest, 2),)
     assert _serve(engine, prompts[:3]) == reference[:3]
     # Only the programs compiled before it was ready ran.
-    assert {key[1] for key in engine._step._serve} == {widest}  # pylint: disable=protected-access
+    assert set(calls) == {(widest, 2)}
     release.set()
     deadline = time.monotonic() + 300
     while engine.compiled != plan and time.monotonic() < deadline:
       time.sleep(0.1)
     assert engine.compiled == plan
+    calls.clear()
     assert _serve(engine, prompts[3:]) == reference[3:]
+    assert any(batch < 2 or window < widest for window, batch in calls)
   finally:
     release.set()
     engine.stop()
@@ -81,7 +92,9 @@ def test_a_stop_ends_the_compile_thread_before_its_next_program(monkeypatch):
     release.wait(300)
     compile_rest(self, programs, scratch)
 
-  def counted(self, programs, scratch, done, compile_=live.LiveEngine._compile):  # pylint: disable=protected-access
+  compile_ = live.LiveEngine._compile  # pylint: disable=protected-access
+
+  def counted(self, programs, scratch, done):
     if release.is_set():
       after_stop.extend(programs)
     return compile_(self, programs, scratch, done)
@@ -98,7 +111,8 @@ def test_a_stop_ends_the_compile_thread_before_its_next_program(monkeypatch):
     time.sleep(0.01)
   release.set()
   stopping.join(300)
-  assert not stopping.is_alive() and not engine._compiler.is_alive()  # pylint: disable=protected-access
+  assert not stopping.is_alive()
+  assert not engine._compiler.is_alive()  # pylint: disable=protected-access
   assert engine.compiled == ready and engine.failure is None
   # It looked at one program, saw the stop and compiled nothing.
   assert len(after_stop) == 1

@@ -244,8 +244,9 @@ class LiveEngine:
         windows, batches, serve_maps=lambda batch: program_maps.serve_program_maps(
             batch, target_layers + draft_layers),
         inserts=len(self._widths()),
-        learn_maps=program_maps.learn_program_maps(lengths), maps=maps, flag_hint="lower --cache_size (fewer windows and update"
-        " lengths) or --slots, or pass --nolearn", plain_maps=plain_maps)
+        learn_maps=program_maps.learn_program_maps(lengths), maps=maps,
+        flag_hint="lower --cache_size (fewer windows and update lengths) or"
+        " --slots, or pass --nolearn", plain_maps=plain_maps)
     full = len(windows) * len(batches)
     full_plain = full if plain_maps else 0
     if len(plan.programs) < full or len(plan.plain) < full_plain:
@@ -260,18 +261,19 @@ class LiveEngine:
 
   def _warm_up(self) -> None:
     """Compiles the inserts, the learn program and the programs that hold
-    any call (the widest window, at every batch): the engine is ready then.
-    Where this host serves alone, the rest of the plan compiles on a thread
-    of its own while the engine serves, each program taken up as it is
-    ready: a start is minutes sooner on a CPU, where a serve program takes
-    30-60 s to compile. Hosts serving together compile them all first: a
+    any call (the widest window over every slot, speculative and plain):
+    the engine is ready then. Where this host serves alone, the rest of the
+    plan compiles on a thread of its own while the engine serves, each
+    program taken up as it is ready: a start is minutes sooner on a CPU,
+    where a serve program takes 30-60 s to compile and 5-10 s to load from
+    the persistent cache. Hosts serving together compile them all first: a
     call's program must be the same on every host."""
     widths, plan = self._widths(), self.plan
-    widest = max(window for window, _ in plan.programs)
+    any_call = max(plan.programs)  # the widest window over every slot
     every = ([(shape, False) for shape in plan.programs]
              + [(shape, True) for shape in plan.plain])
     alone = jax.process_count() == 1
-    first = [p for p in every if p[0][0] == widest or not alone]
+    first = [p for p in every if p[0] == any_call or not alone]
     # Plain programs first: under load most calls run them, and they compile
     # in a fifth of a serve program's time.
     rest = sorted((p for p in every if p not in first),
@@ -290,8 +292,8 @@ class LiveEngine:
     self._free_slots(np.zeros(self.live.num_slots, bool))
     self.compiled = plan.only(first)
     if rest:
-      print(f"{len(rest)} more programs (narrower windows) compile while serving",
-            flush=True)
+      print(f"{len(rest)} more programs (narrower windows, fewer slots) compile"
+            f" while serving", flush=True)
       self._compiler = threading.Thread(target=self._compile_rest,
                                         args=(rest, scratch), name="osd-compile")
       self._compiler.start()

@@ -148,8 +148,9 @@ def plan(windows: Sequence[int], batches: Sequence[int], *,
   """The most useful of these (window, batch) programs that fit beside the
   `maps` held (memory_maps()) with `inserts` prefill programs and the learn
   program (`learn_maps`; 0: none), a serve program over b slots holding
-  serve_maps(b) mappings: all of them where they fit. ProgramsDoNotFit names what to change when not even the widest
-  window over every slot fits; `flag_hint` says which flags shrink it.
+  serve_maps(b) mappings: all of them where they fit. ProgramsDoNotFit
+  names what to change when not even the widest window over every slot
+  fits; `flag_hint` says which flags shrink it.
 
   With `plain_maps`, plain programs (b slots: plain_maps(b) mappings) too.
   Under load most calls run plain (a verification over many rows costs
