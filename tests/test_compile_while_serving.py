@@ -14,8 +14,9 @@ from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams, T
 from tests.test_online import MAIN, MAX_NEW, QUERIES, prompt_ids, tiny_pair
 
 
-def _serve(engine: live.LiveEngine, prompts) -> list[list[int]]:
-  """Greedy tokens of each prompt, served together."""
+def serve_together(engine: live.LiveEngine, prompts) -> list[list[int]]:
+  """The tokens of each prompt (MAX_NEW of them), submitted together to a
+  started engine."""
   tokens, done = [[] for _ in prompts], queue.Queue()
 
   def on_event(i, event):
@@ -64,7 +65,7 @@ def test_ready_on_the_widest_programs_then_the_rest_compile_while_serving(monkey
     assert engine.healthy
     ready = engine.compiled
     assert ready.programs == ready.plain == ((widest, 2),)
-    assert _serve(engine, prompts[:3]) == reference[:3]
+    assert serve_together(engine, prompts[:3]) == reference[:3]
     # Only the programs compiled before it was ready ran.
     assert set(calls) == {(widest, 2)}
     release.set()
@@ -73,7 +74,7 @@ def test_ready_on_the_widest_programs_then_the_rest_compile_while_serving(monkey
       time.sleep(0.1)
     assert engine.compiled == plan
     calls.clear()
-    assert _serve(engine, prompts[3:]) == reference[3:]
+    assert serve_together(engine, prompts[3:]) == reference[3:]
     assert any(batch < 2 or window < widest for window, batch in calls)
   finally:
     release.set()

@@ -1,15 +1,13 @@
 """The programs a server compiles fit the host's vm.max_map_count, or it refuses."""
 
 import dataclasses
-import functools
-import queue
 
 import pytest
 
 from osd_jax.decoding.engine import Engine
 from osd_jax.serving import live, online, program_maps
-from osd_jax.serving.live_request import Finished, LiveRequest, RequestParams, Tokens
-from tests.test_online import MAIN, QUERIES, prompt_ids, tiny_pair
+from tests.test_compile_while_serving import serve_together
+from tests.test_online import MAIN, MAX_NEW, QUERIES, prompt_ids, tiny_pair
 
 WINDOWS, BATCHES = (64, 128, 256, 512, 1024), (1, 2, 4, 8)
 
@@ -123,24 +121,12 @@ def test_merged_buckets_serve_the_same_greedy_text():
   target, engine = _engine(limit=5_500, num_slots=4)
   assert engine.plan.programs == ((MAIN.cache_size, 4),)
   prompts = [list(prompt_ids(q)) for q in QUERIES[:5]]
-  tokens, done = [[] for _ in prompts], queue.Queue()
-
-  def on_event(i, event):
-    if isinstance(event, Tokens):
-      tokens[i].extend(event.ids)
-    elif isinstance(event, Finished):
-      done.put(i)
-
   engine.start()
   try:
-    for i, ids in enumerate(prompts):
-      engine.submit(LiveRequest(ids, RequestParams(max_tokens=8),
-                                functools.partial(on_event, i)))
-    for _ in prompts:
-      done.get(timeout=300)
+    tokens = serve_together(engine, prompts)
   finally:
     engine.stop()
   window, slots = MAIN.cache_size, 4
   assert set(engine._step._serve) == {(MAIN.steps_per_call, window, slots, False)}  # pylint: disable=protected-access
-  reference = Engine(target, k=0, max_new_tokens=8, num_slots=4)
+  reference = Engine(target, k=0, max_new_tokens=MAX_NEW, num_slots=4)
   assert tokens == [r.token_ids for r in reference.generate_ids(prompts)]
