@@ -16,8 +16,9 @@ import shlex
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from experiments.server_process import ServerProcess
 
 SERVER_FLAGS = flags.DEFINE_string("server_flags", "", "Flags for experiments.serve.")
@@ -56,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
