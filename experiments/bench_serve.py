@@ -129,7 +129,7 @@ async def _level(url: str, questions: list[str], concurrency: int,
 # position; and the two drafting fewer tokens in larger batches.
 RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"],
         "static_always": ["--nolearn", "--speculate=always"],
-        "online_always": ["--learn", "--speculate=always"],
+        "online_always": ["--learn", "--speculate=always", "--learning_payback=0"],
         "static_every_position": ["--nolearn", "--position_costs=off",
                                   "--speculate=always"],
         "static_batch_k": ["--nolearn"], "online_batch_k": ["--learn"]}

@@ -68,21 +68,21 @@ def test_off_always_speculates_and_every_host_must_agree_on_plain():
     CallChoice(explore_every=1)
 
 
-def _serve(monkeypatch, choose: bool):
+def _serve(monkeypatch, choose: bool, plain_s: float = 0.1, **live_fields):
   """12 greedy requests through a 2-slot live engine whose clock makes a
-  plain call 10x faster than a speculative one: (token ids by request, the
-  engine)."""
+  plain call take `plain_s` and a speculative one 1 s (10x slower, by
+  default): (token ids by request, the engine)."""
   clock = [0.0]
   monkeypatch.setattr(live, "_busy_clock", lambda: clock[0])
   serve = online.Step.serve
 
   def timed_serve(self, *args, plain=False, **kwargs):
     state, out = serve(self, *args, plain=plain, **kwargs)
-    clock[0] += 0.1 if plain else 1.0
+    clock[0] += plain_s if plain else 1.0
     return state, out
 
   monkeypatch.setattr(online.Step, "serve", timed_serve)
-  engine = ring_engine(choose_calls=choose)
+  engine = ring_engine(choose_calls=choose, **live_fields)
   tokens = serve_all(engine, QUERIES[:12])
   monkeypatch.undo()
   return tokens, engine
@@ -98,6 +98,31 @@ def test_the_live_engine_runs_plain_calls_where_they_are_faster(monkeypatch):
   # finished requests.
   updates = lambda e: int(np.asarray(e._state.num_updates).sum())  # pylint: disable=protected-access
   assert updates(engine) == updates(spec) == 6
+
+
+def test_a_payback_learns_only_from_what_speculation_saved(monkeypatch):
+  """With a payback, updates wait until speculative calls have saved time
+  against plain ones: none where speculation is 10x slower; some where a
+  speculative call (more tokens) takes what a plain one does."""
+  updates = lambda e: int(np.asarray(e._state.num_updates).sum())  # pylint: disable=protected-access
+  _, losing = _serve(monkeypatch, choose=True, learning_payback=0.5)
+  assert updates(losing) == 0 and losing._learning.saved_seconds < 0  # pylint: disable=protected-access
+  _, saving = _serve(monkeypatch, choose=True, plain_s=1.0, learning_payback=1.0)
+  assert saving._learning.saved_seconds > 0  # pylint: disable=protected-access
+  assert 1 <= updates(saving) <= 6  # 6: one per 2 finished requests
+  assert saving._learning.update_seconds <= saving._learning.saved_seconds + 1.0  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="payback needs calls that choose"):
+    ring_engine(choose_calls=False, learning_payback=0.5)
+
+
+def test_a_call_saves_its_tokens_at_the_plain_rate_less_its_time():
+  choice = CallChoice()
+  assert choice.seconds_saved(1, False, 1.0, 10) == 0.0  # no plain call timed yet
+  choice.record(1, True, 1.0, 4)  # plain: 4 tokens/s
+  assert choice.seconds_saved(1, True, 1.0, 4) == 0.0  # a plain call saves nothing
+  assert choice.seconds_saved(1, False, 1.0, 8) == pytest.approx(1.0)
+  assert choice.seconds_saved(1, False, 1.0, 2) == pytest.approx(-0.5)
+  assert choice.seconds_saved(2, False, 1.0, 8) == 0.0  # another batch size
 
 
 def test_the_server_flag_turns_the_choice_on_and_off():

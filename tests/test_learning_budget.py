@@ -46,35 +46,70 @@ def test_updates_wait_until_serving_time_pays_for_them():
   assert not budget.allows(agree=lambda flag: False)  # another host says no
 
 
+def test_a_payback_spends_only_what_speculation_saved():
+  budget = LearningBudget(0.0, payback=0.5)
+  assert not budget.allows()  # nothing saved yet: the first update waits
+  budget.saved(2.0)
+  assert budget.allows()
+  budget.record("s", 0.1, updated=False)
+  budget.record("s", 1.0, updated=True)  # 0.9 s of 0.5 x 2 s
+  assert budget.allows()
+  budget.saved(-0.4)  # a call that lost time takes it back: 0.5 x 1.6 < 0.9
+  assert not budget.allows()
+  budget.saved(0.3)
+  assert budget.allows() and not budget.allows(agree=lambda flag: False)
+  both = LearningBudget(0.1, payback=1.0)  # the share holds too
+  both.saved(100.0)
+  both.record("s", 1.0, updated=False)
+  both.record("s", 2.0, updated=True)
+  assert not both.allows()
+  with pytest.raises(ValueError, match="payback"):
+    LearningBudget(0.1, payback=1.5)
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.0])
 def test_a_share_outside_0_1_is_refused(share):
   with pytest.raises(ValueError, match="learning budget"):
     LearningBudget(share)
 
 
-def test_a_due_update_waits_while_it_may_not_run():
-  """may_update=False keeps a due update (and the samples) for a later call."""
+def test_a_due_update_waits_while_it_may_not_run(monkeypatch):
+  """may_update=False keeps a due update (and the samples) for a later call;
+  the learn program runs only after calls with work for it."""
   cfg = dataclasses.replace(MAIN, update_interval=1, buffer_capacity=4)
   mesh = online.make_mesh(1)
   target, draft = tiny_pair()
   step = online.make_step(mesh, target_config=target.config, drafter=draft.drafter,
                           cfg=cfg)
+  learns = []
+  monkeypatch.setattr(step, "learn", lambda *args, run=step.learn: (
+      learns.append(len(finishing)), run(*args))[1])
   target_params = placed_target(mesh)
   state = fresh_state(cfg, mesh, num_slots=2)
   start = host(state.draft_params)
   state = admit(step, mesh, target_params, state,
                 {0: prompt_ids(QUERIES[0]), 1: prompt_ids(QUERIES[1])})
-  while not jax.device_get(state.slots.done).all():
-    state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
-                            window=cfg.window(cfg.cache_size), may_update=False)
+  finishing = []  # per call: the requests that finished in it
+  serve = lambda state, **kw: step.serve(target_params, state, steps=cfg.steps_per_call,
+                                         window=cfg.window(cfg.cache_size), **kw)
+  while not (done := jax.device_get(state.slots.done)).all():
+    finishing.append(0)
+    state, out = serve(state, may_update=False)
+    finishing[-1] = int(jax.device_get(state.slots.done).sum() - done.sum())
     assert not np.asarray(out.did_update).any()
   assert int(state.since_update[0]) == 2 and int(state.num_updates[0]) == 0
   assert int(np.asarray(state.buffer.is_valid).sum()) == 2
   assert max_abs_diff(host(state.draft_params), start) == 0.0
-  state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
-                          window=cfg.window(cfg.cache_size))
+  # Only the calls in which a request finished ran the learn program.
+  assert 0 in finishing  # some calls finished none
+  assert learns == [i + 1 for i, n in enumerate(finishing) if n], (learns, finishing)
+  state, out = serve(state)  # nothing finishes: the due update is the work
   assert np.asarray(out.did_update).all() and int(state.num_updates[0]) == 1
   assert max_abs_diff(host(state.draft_params), start) > 1e-4
+  assert len(learns) == len([n for n in finishing if n]) + 1
+  state, out = serve(state)  # no work: no learn program
+  assert len(learns) == len([n for n in finishing if n]) + 1
+  assert not np.asarray(out.did_update).any()
 
 
 def _fake_clock(monkeypatch, module, name: str):

@@ -31,7 +31,7 @@ TINY_FLAGS = ["--warm_start=none", "--k=2", "--cache_size=64", "--max_tokens=16"
               "--learning_budget=0", "--checkpoint_every=0", "--drain_s=30",
               # Every call speculates: the counts tests read do not depend on
               # the clock (tests/test_call_choice.py covers --speculate=auto).
-              "--speculate=always"]
+              "--speculate=always", "--learning_payback=0"]
 NUM_LOAD = 64
 
 

@@ -69,6 +69,17 @@ class CallChoice:
     old = self._rate.get((batch, plain))
     self._rate[batch, plain] = rate if old is None else old + RATE * (rate - old)
 
+  def seconds_saved(self, batch: int, plain: bool, seconds: float,
+                    tokens: int) -> float:
+    """What a call saved against the target alone: a speculative call's
+    tokens at the plain calls' running rate at its batch size, less its own
+    seconds (negative where it was slower); 0 for a plain call, or before
+    plain calls at its batch size were timed."""
+    rate = self._rate.get((batch, True))
+    if plain or rate is None:
+      return 0.0
+    return tokens / rate - seconds
+
   def rate(self, batch: int, plain: bool) -> float | None:
     """The running mean of tokens per second (None: not measured yet)."""
     return self._rate.get((batch, plain))

@@ -145,6 +145,8 @@ def warm_up(step: online.Step, target_params, state: online.OnlineState,
       scratch, _ = step.serve(target_params, scratch, steps=cfg.steps_per_call,
                               window=window, batch=batch)
       bar.update(1)
+  if cfg.learn:  # serve calls above had nothing to learn
+    scratch = step.learn_nothing(target_params, scratch)
   jax.block_until_ready(scratch)
   bar.close()
 

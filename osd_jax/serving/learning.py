@@ -72,6 +72,18 @@ def _student_rows(target_params, draft_params, state, rows, rng,
           pick(s_probs, probs), hidden)
 
 
+def has_work(state, finished, may_update, *, cfg, axis_name):
+  """Whether `learn` would do anything but split the rng after a call in
+  which `finished` requests finished: buffer one, or take an update's steps
+  (one is due, or split over calls and not done) where `may_update`."""
+  any_finished = finished.any().astype(jnp.int32)
+  if axis_name is not None:
+    any_finished = jax.lax.pmax(any_finished, axis_name)
+  # since_update counts requests of earlier calls: an update the budget held.
+  due = (state.update_steps_done > 0) | (state.since_update >= cfg.update_interval)
+  return (any_finished > 0) | (may_update & due.any())
+
+
 def learn(target_params, state, finished, rng, may_update, *,
           target_config, drafter, cfg, axis_name):
   """Buffers every finished request with its draft; updates drafts whose turn

@@ -12,6 +12,13 @@ requests.
 An update's cost is read off the clock: the seconds of the call that ran it
 minus what calls of the same shape (the caller's key: window, slots, ...)
 take without one.
+
+A payback p ties learning to what it is for: updates may take at most p of
+the seconds speculation has saved so far (what the caller books: a
+speculative call's tokens at the plain calls' measured rate, less its own
+time; negative where it lost). With p <= 1 a server that learns stays at
+least as fast as the target alone over its life; where speculation saves
+nothing (many clients on a CPU), it does not learn until it saves again.
 """
 
 # Weight of the newest call in a shape's running mean of call seconds.
@@ -21,12 +28,16 @@ _RATE = 0.2
 class LearningBudget:
   """Host-side bookkeeping: the updates' seconds against the serve calls'."""
 
-  def __init__(self, share: float):
+  def __init__(self, share: float, payback: float = 0.0):
     if not 0.0 <= share < 1.0:
       raise ValueError(f"The learning budget is a share of serving time in [0, 1),"
                        f" got {share}.")
-    self.share = share
+    if not 0.0 <= payback <= 1.0:
+      raise ValueError(f"The learning payback is a share of the seconds speculation"
+                       f" saved, in [0, 1], got {payback}.")
+    self.share, self.payback = share, payback
     self.serving_seconds = 0.0  # of every serve call so far
+    self.saved_seconds = 0.0  # what speculation saved so far (payback)
     self.update_seconds = 0.0  # the estimated cost of every update so far
     self.updates = 0
     self._plain: dict = {}  # shape -> mean seconds of a call without an update
@@ -35,9 +46,16 @@ class LearningBudget:
     """May the next call start an update? With a budget, `agree` makes
     every host's answer the same (distributed.all_agree): hosts that differ
     on it would run different programs."""
-    if not self.share:
+    if not (self.share or self.payback):
       return True
-    return agree(self.update_seconds <= self.share * self.serving_seconds)
+    fits = not self.share or self.update_seconds <= self.share * self.serving_seconds
+    # Strictly: the first update waits until speculation has saved something.
+    paid = not self.payback or self.update_seconds < self.payback * self.saved_seconds
+    return agree(fits and paid)
+
+  def saved(self, seconds: float) -> None:
+    """Books what a call saved against the target alone (negative: lost)."""
+    self.saved_seconds += seconds
 
   def record(self, shape, seconds: float, updated: bool) -> float:
     """Books a call of `shape` that took `seconds`; returns the seconds its

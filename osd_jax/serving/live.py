@@ -60,6 +60,10 @@ class LiveConfig:
   seed: int = 0  # draws the seeds of requests that bring none
   # Share of the engine's busy time updates may take (learning_budget.py).
   learning_budget: float = 0.0
+  # Share of the seconds speculation saved that updates may take
+  # (learning_budget.py); 0: no such limit. Needs choose_calls: the plain
+  # calls' measured rate is what a speculative call is held against.
+  learning_payback: float = 0.0
   # Each call speculates or runs the target alone, whichever has been faster
   # at its batch size (call_choice.py; its plain programs compile too);
   # False: every call speculates.
@@ -123,7 +127,12 @@ class LiveEngine:
     self._key_shape = jax.random.key_data(jax.random.key(0)).shape  # the PRNG's
     self._counts = self._counters()  # (updates, skipped, last loss) after the last call
     self._updates_saved = self._counts[0]
-    self._learning = LearningBudget(live.learning_budget if cfg.learn else 0.0)
+    if cfg.learn and live.learning_payback and not self.calls.enabled:
+      raise ValueError("A learning payback needs calls that choose between"
+                       " speculating and the target alone (choose_calls, k > 0):"
+                       " what speculation saved is measured against the plain calls.")
+    self._learning = (LearningBudget(live.learning_budget, live.learning_payback)
+                      if cfg.learn else LearningBudget(0.0))
     self._thread: threading.Thread | None = None
     self._compiler: threading.Thread | None = None  # compiles while serving
     self._ready = threading.Event()  # warmed up: requests are taken
@@ -278,13 +287,17 @@ class LiveEngine:
     # in a fifth of a serve program's time.
     rest = sorted((p for p in every if p not in first),
                   key=lambda p: (not p[1], -p[0][0], p[0][1]))
-    bar = progress.bar(len(widths) + len(first), "compiling", "programs")
+    bar = progress.bar(len(widths) + int(self.cfg.learn) + len(first), "compiling",
+                       "programs")
     for width in widths:
       if not self._accepting:  # stopped while starting: compile no more
         return
       self._insert_nothing(width)
       bar.update(1)
     scratch = jax.tree.map(jnp.copy, self._state)  # serve donates it
+    if self.cfg.learn:  # serve calls run it only when it has work
+      scratch = self._step.learn_nothing(self._target_params, scratch)
+      bar.update(1)
     scratch = self._compile(first, scratch, bar.update)
     bar.close()
     if scratch is None:
@@ -496,8 +509,10 @@ class LiveEngine:
     # of call compares serving without them.
     learning = self._learning.record((window, batch, plain), seconds,
                                      bool(trained.any()))
-    self.calls.record(needs[1], plain, seconds - learning,
-                      int((lengths - self._lengths)[occupied].sum()))
+    emitted = int((lengths - self._lengths)[occupied].sum())
+    self._learning.saved(self.calls.seconds_saved(needs[1], plain, seconds - learning,
+                                                  emitted))
+    self.calls.record(needs[1], plain, seconds - learning, emitted)
     self._lengths = lengths.astype(np.int64)
     self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
     # Fetched only in calls where some request asked: each is [slots, S, N].

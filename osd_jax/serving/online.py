@@ -5,8 +5,8 @@ most one new request per device into a free slot; `serve` runs a bounded
 number of speculative steps over every slot (one program per window and
 batch); `learn` puts the requests that finished into the buffer of their
 draft and, every I finished requests, takes that draft's update. A serve
-call dispatches `serve` then `learn`, with no wait for the host between
-them. The update lives in one program, not in each serve program: it is
+call runs `serve`, then `learn` where it has work: a request finished, or
+an update is due or under way. The update lives in one program, not in each serve program: it is
 most of a serve program's kernels (every sample length compiles a branch),
 so a copy in each of 20-40 serve programs multiplied compile time, load
 time from the persistent cache and memory mappings (program_maps.py).
@@ -274,12 +274,13 @@ def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1
   return when(slot_1[0] >= 0, admit, state)
 
 
-def serve(target_params, state: OnlineState, refill=False, *,
+def serve(target_params, state: OnlineState, refill=False, may_update=True, *,
           target_config, drafter, cfg: OnlineConfig, steps: int, window: int,
           batch: int | None = None, axis_name: str | None = None,
           plain: bool = False):
-  """One device's call: decode its slots (shard_map body); the state and
-  which slots finished in it, for `learn`.
+  """One device's call: decode its slots (shard_map body); the state, which
+  slots finished in it, and whether `learn` has anything to do after it
+  (learning.has_work, the same on every device).
 
   Only the first `batch` local slots (all if None) are decoded: the host
   keeps every request there; each step drafts cfg.k_at(batch) tokens. With
@@ -322,7 +323,13 @@ def serve(target_params, state: OnlineState, refill=False, *,
     slots, records = slot_lib.on_first_slots(
         lambda s: decode(s, state.records)[0], state.slots, batch,
         num_slots), state.records
-  return state.replace(slots=slots, records=records), slots.done & ~was_done
+  finished = slots.done & ~was_done
+  state = state.replace(slots=slots, records=records)
+  learns = jnp.bool_(False)
+  if cfg.learn:
+    learns = learning.has_work(state, finished, may_update, cfg=cfg,
+                               axis_name=axis_name)
+  return state, finished, learns
 
 
 def learn(target_params, state: OnlineState, finished, may_update, *,
@@ -388,12 +395,26 @@ class Step:
       body = functools.partial(serve, **self.statics, steps=steps, window=window,
                                batch=batch, axis_name=AXIS, plain=plain)
       self._serve[key] = jax.jit(jax.shard_map(
-          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P()),
-          out_specs=(_STATE_SPECS, P(AXIS)), check_vma=False), donate_argnums=(1,))
-    state, finished = self._serve[key](target_params, state, self._flag[bool(refill)])
-    if not self.cfg.learn:
+          body, mesh=self.mesh, in_specs=(P(), _STATE_SPECS, P(), P()),
+          out_specs=(_STATE_SPECS, P(AXIS), P()), check_vma=False),
+          donate_argnums=(1,))
+    may_update = self._flag[bool(may_update)]
+    state, finished, learns = self._serve[key](target_params, state,
+                                               self._flag[bool(refill)], may_update)
+    # The host waits for the serve call here, as its caller would next: most
+    # calls finish no request and step no update, and the learn program
+    # would still rewrite the buffer's fields (milliseconds a call).
+    if not bool(learns):
       return state, self._nothing
-    return self.learn(target_params, state, finished, self._flag[bool(may_update)])
+    return self.learn(target_params, state, finished, may_update)
+
+  def learn_nothing(self, target_params, state: OnlineState) -> OnlineState:
+    """Runs the learn program with nothing finished and no update allowed,
+    so that it compiles before serving (serve calls run it only when it has
+    work); returns the state, as it was but for the rng."""
+    nothing = distributed.shard_leading(np.zeros(state.slots.done.shape, bool),
+                                        self.mesh, AXIS)
+    return self.learn(target_params, state, nothing, self._flag[False])[0]
 
 
 @functools.lru_cache(maxsize=16)
