@@ -175,7 +175,13 @@ def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
                     updates=after["osd:draft_updates_total"]
                     - before["osd:draft_updates_total"],
                     plain_share=_share(after, before, "osd:plain_calls_total",
-                                       "osd:serve_calls_total"))
+                                       "osd:serve_calls_total"),
+                    update_s=after["osd:update_seconds_total"]
+                    - before["osd:update_seconds_total"],
+                    learning_share=_share(after, before, "osd:update_seconds_total",
+                                          "osd:serve_seconds_total"),
+                    saved_s=after["osd:speculation_saved_seconds"]
+                    - before["osd:speculation_saved_seconds"])
       results.append(result)
       print(f"[{name}] {result['level']}: {result['tokens_per_s']:.1f} tokens/s",
             flush=True)
@@ -198,8 +204,8 @@ def _table(results: list[dict]) -> str:
   base = {r["level"]: r["tokens_per_s"] for r in results if r["run"] == "target"}
   head = ("| run | load | requests | tokens/s | vs target | TTFT P50 / P99 ms |"
           " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |"
-          " plain calls |")
-  rows = [head, "|" + "---|" * 11]
+          " learning s (share) | saved s | plain calls |")
+  rows = [head, "|" + "---|" * 13]
   for r in results:
     ratio = r["tokens_per_s"] / base[r["level"]] if r["level"] in base else float("nan")
     rows.append(f"| {r['run']} | {r['level']} | {r['requests']} |"
@@ -207,7 +213,8 @@ def _table(results: list[dict]) -> str:
                 f" {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
                 f" {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['alpha']:.3f} |"
                 f" {r['rolling_alpha']:.3f} | {r['updates']:.0f} |"
-                f" {r['plain_share']:.0%} |")
+                f" {r['update_s']:.1f} ({r['learning_share']:.0%}) |"
+                f" {r['saved_s']:.1f} | {r['plain_share']:.0%} |")
   return "\n".join(rows)
 
 

@@ -290,6 +290,10 @@ def test_concurrent_load_is_answered_exactly_and_counted(tiny):
   # more finish together (the count then restarts at 0), so at most 11 each.
   assert delta("osd:draft_updates_total") >= NUM_LOAD // 11
   assert after["osd:draft_updates_skipped_total"] == 0
+  # The learning compute, beside the serving time it is a share of. Every
+  # call speculates: nothing is held against plain calls.
+  assert 0 < delta("osd:update_seconds_total") < delta("osd:serve_seconds_total")
+  assert after["osd:speculation_saved_seconds"] == 0
   total = lambda key: sum(r.usage.model_extra[key] if key in r.usage.model_extra
                           else getattr(r.usage, key) for r in responses)
   assert delta("vllm:spec_decode_num_drafts_total") == total("num_drafts")

@@ -584,7 +584,10 @@ class LiveEngine:
     self.metrics.set_engine(**self._occupancy(), draft_updates=updates,
                             draft_updates_skipped=skipped, draft_last_loss=loss,
                             serve_calls=sum(self.calls.calls.values()),
-                            plain_calls=self.calls.calls[True])
+                            plain_calls=self.calls.calls[True],
+                            serve_seconds=self._learning.serving_seconds,
+                            update_seconds=self._learning.update_seconds,
+                            saved_seconds=self._learning.saved_seconds)
 
   def _save(self) -> None:
     if self.checkpointer is None:

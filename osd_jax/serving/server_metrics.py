@@ -49,7 +49,8 @@ class ServerMetrics:
     self._num_slots = num_slots
     self._gauges = {"queue_depth": 0, "slots_in_use": 0, "draft_updates": 0,
                     "draft_updates_skipped": 0, "draft_last_loss": float("nan"),
-                    "serve_calls": 0, "plain_calls": 0}
+                    "serve_calls": 0, "plain_calls": 0, "serve_seconds": 0.0,
+                    "update_seconds": 0.0, "saved_seconds": 0.0}
 
   def observe(self, stats: RequestStats, reason: str, **gauges) -> None:
     """Adds one finished request (reason: stop, length or abort), and sets
@@ -67,7 +68,8 @@ class ServerMetrics:
 
   def set_engine(self, **gauges) -> None:
     """queue_depth, slots_in_use, draft_updates, draft_updates_skipped,
-    draft_last_loss, serve_calls, plain_calls."""
+    draft_last_loss, serve_calls, plain_calls, serve_seconds,
+    update_seconds, saved_seconds."""
     with self._lock:
       self._set(gauges)
 
@@ -114,6 +116,17 @@ class ServerMetrics:
       metric("osd:plain_calls_total", "counter",
              "Serve calls that ran the target alone (--speculate=auto).",
              [("", g["plain_calls"])])
+      metric("osd:serve_seconds_total", "counter",
+             "Seconds the engine spent in serve calls, updates included.",
+             [("", g["serve_seconds"])])
+      metric("osd:update_seconds_total", "counter",
+             "Seconds of those the draft's updates took (each call's time less"
+             " a call of its shape without one).", [("", g["update_seconds"])])
+      metric("osd:speculation_saved_seconds", "gauge",
+             "Seconds speculative calls saved against the target alone (their"
+             " tokens at the plain calls' measured rate, less their time;"
+             " negative: lost; 0 until plain calls are timed).",
+             [("", g["saved_seconds"])])
       metric("osd:rolling_alpha", "gauge",
              f"Mean alpha of the last {self._alphas.maxlen} finished requests.",
              [("", alpha)])
