@@ -10,7 +10,8 @@ Starts `experiments.serve` once per run, with its own draft defaults: --k=0
 on, the last two verifying only the drafted positions that pay at the
 costs the server measures at start-up (--position_costs=auto), and each
 call speculating or running the target alone, whichever has been faster
-(--speculate=auto); the *_always runs speculate in every call, and
+(--speculate=auto; learning within --learning_payback, online_unpaid
+without it); the *_always runs speculate in every call, and
 static_every_position also verifies every drafted position; the *_batch_k
 runs draft fewer tokens per step in larger batches. The levels start once
 every program is compiled (the server is ready before the narrower windows'
@@ -20,8 +21,10 @@ streamed, greedy) at each load level: a closed loop of that many clients
 whatever is in flight (--arrival_rates, open loop). Reports throughput (generated tokens/s) and its ratio to the target-only server at the same level, P50/P99
 time to first token and inter-token latency (per request: the time between
 its first and last token over its tokens - 1), and alpha: the level's mean
-over its requests and the server's rolling alpha when the level ends, and
-the share of the level's serve calls that ran the target alone.
+over its requests and the server's rolling alpha when the level ends, the
+level's updates, their seconds and share of its serve calls' time, what
+speculation saved against the target alone in it, and the share of its
+serve calls that ran the target alone.
 """
 
 import asyncio
@@ -128,6 +131,7 @@ async def _level(url: str, questions: list[str], concurrency: int,
 # costs the server measures); the frozen draft verifying every drafted
 # position; and the two drafting fewer tokens in larger batches.
 RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"],
+        "online_unpaid": ["--learn", "--learning_payback=0"],
         "static_always": ["--nolearn", "--speculate=always"],
         "online_always": ["--learn", "--speculate=always", "--learning_payback=0"],
         "static_every_position": ["--nolearn", "--position_costs=off",
