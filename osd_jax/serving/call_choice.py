@@ -13,13 +13,9 @@ generated tokens per second of speculative calls and of plain ones (k = 0:
 the target alone, the drafter only keeping in step), each kind timed on a
 few calls first, in turns, and then each call runs the faster. Every
 EXPLORE_EVERY-th call at a batch size runs the other, so a draft that
-learns, or traffic that changes, is noticed. Each such call that finds the
-other kind still slower doubles the interval, up to MAX_EXPLORE_EVERY
-(where speculation keeps losing, as at eight clients on a 2-core CPU, the
-explored calls were most of what the server lost to target-only); one
-that finds it faster brings the interval back to EXPLORE_EVERY. A call
-that took an update is timed without it (the learning budget's estimate
-of its cost).
+learns, or traffic that changes, is noticed; at most that share of calls
+is spent on the slower kind. A call that took an update is
+timed without it (the learning budget's estimate of its cost).
 
 The choice is between whole programs, read only from past calls, so
 rejection sampling within a call stays exact.
@@ -31,7 +27,6 @@ import collections
 RATE = 0.2
 # Every n-th call at a batch size runs the kind that has been slower.
 EXPLORE_EVERY = 16
-MAX_EXPLORE_EVERY = 256
 # Calls of each kind timed at a batch size before the faster is chosen
 # (they take turns): one call's time depends on which requests it served.
 FIRST_CALLS = 2
@@ -46,9 +41,7 @@ class CallChoice:
     self.enabled, self.explore_every = enabled, explore_every
     self._rate: dict[tuple[int, bool], float] = {}  # (batch, plain) -> tokens/s
     self._timed = collections.Counter()  # (batch, plain) -> calls timed
-    self._every: dict[int, int] = {}  # batch -> calls between explorations now
-    self._since = collections.Counter()  # batch -> calls since the last exploration
-    self._exploring: dict[int, bool] = {}  # batch -> the kind being explored
+    self._turns: collections.Counter = collections.Counter()  # batch -> calls
     self.calls = collections.Counter()  # plain -> calls run
 
   def plain(self, batch: int, agree=lambda flag: flag) -> bool:
@@ -56,36 +49,25 @@ class CallChoice:
     `agree` makes every host's answer the same (distributed.all_agree)."""
     if not self.enabled:
       return False
+    self._turns[batch] += 1
     timed = self._timed[batch, False], self._timed[batch, True]
     if min(timed) < FIRST_CALLS:  # turns until each kind is timed enough
       choice = timed[1] < timed[0]
     else:
       choice = self._rate[batch, True] > self._rate[batch, False]
-      self._since[batch] += 1
-      if self._since[batch] >= self.exploring_every(batch):
-        self._since[batch] = 0
+      if self._turns[batch] % self.explore_every == 0:
         choice = not choice
-        self._exploring[batch] = choice
     return agree(choice)
-
-  def exploring_every(self, batch: int) -> int:
-    """Calls at `batch` between two that run the slower kind, now."""
-    return self._every.get(batch, self.explore_every)
 
   def record(self, batch: int, plain: bool, seconds: float, tokens: int) -> None:
     """Books a call that generated `tokens` in `seconds`."""
     self.calls[plain] += 1
-    explored = self._exploring.pop(batch, None) == plain
     if seconds <= 0 or tokens <= 0:
       return
     rate = tokens / seconds
     self._timed[batch, plain] += 1
     old = self._rate.get((batch, plain))
     self._rate[batch, plain] = rate if old is None else old + RATE * (rate - old)
-    if explored:  # still the slower kind: look again twice as late
-      slower = self._rate[batch, plain] <= self._rate.get((batch, not plain), 0.0)
-      self._every[batch] = (min(2 * self.exploring_every(batch), MAX_EXPLORE_EVERY)
-                            if slower else self.explore_every)
 
   def seconds_saved(self, batch: int, plain: bool, seconds: float,
                     tokens: int) -> float:
