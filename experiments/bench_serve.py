@@ -174,18 +174,16 @@ def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
       result = asyncio.run(_level(server.url, questions[i * n:(i + 1) * n], concurrency,
                                   rate, seed=i))
       after = server.metrics()
+      delta = lambda metric: after[metric] - before[metric]
       result.update(run=name, rolling_alpha=after["osd:rolling_alpha"],
                     arrival_rate=rate, level=_level_name(concurrency, rate),
-                    updates=after["osd:draft_updates_total"]
-                    - before["osd:draft_updates_total"],
+                    updates=delta("osd:draft_updates_total"),
                     plain_share=_share(after, before, "osd:plain_calls_total",
                                        "osd:serve_calls_total"),
-                    update_s=after["osd:update_seconds_total"]
-                    - before["osd:update_seconds_total"],
+                    update_s=delta("osd:update_seconds_total"),
                     learning_share=_share(after, before, "osd:update_seconds_total",
                                           "osd:serve_seconds_total"),
-                    saved_s=after["osd:speculation_saved_seconds"]
-                    - before["osd:speculation_saved_seconds"])
+                    saved_s=delta("osd:speculation_saved_seconds"))
       results.append(result)
       print(f"[{name}] {result['level']}: {result['tokens_per_s']:.1f} tokens/s",
             flush=True)
