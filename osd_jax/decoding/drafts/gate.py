@@ -6,8 +6,9 @@ while what it has been yielding pays for it: its accepted tokens, a fraction
 of the batch's, must exceed its cost, a fraction of a target step.
 
 Per row (a slot; the statistics outlive its requests) it keeps running
-means of the draft tokens accepted on the steps the draft proposed for the
-row, and of the tokens the row emits a step. A step serves the rows lookup
+means of the draft tokens accepted on the steps the draft ran for the row
+(a pass that proposed nothing, all its draws unconfident, yielded none), and
+of the tokens the row emits a step. A step serves the rows lookup
 missed with the draft when
 
     sum over rows lookup missed of accepted  >  cost * sum over live rows of emitted,
@@ -51,7 +52,7 @@ class Gate:
   age: jax.Array  # [B] steps since the row's request was inserted
   live: jax.Array  # [B] the row emitted at its last step (or was just inserted)
   own: jax.Array  # [B] the row is this drafter's (a per-category copy's rows)
-  ran: jax.Array  # [B] the draft proposed for the row this step
+  ran: jax.Array  # [B] the draft ran for the row this step
   misses: jax.Array  # [B] steps of the row's request on which lookup missed
   missed: jax.Array  # [B] lookup missed at the row's latest step
   # What the learned draft did for the row's request (reports, not decisions).
@@ -82,15 +83,14 @@ class Gate:
 
   def proposed(self, ran: jax.Array, missed: jax.Array,
                num_proposed: jax.Array | None = None) -> "Gate":
-    """This step's rows the draft ran for, those lookup `missed`, and the
-    tokens each proposal held. Only rows it proposed a token for are
-    measured at `after`: a pass that stopped before its first unconfident
-    draw proposed nothing, and is no evidence of what the draft yields."""
+    """This step's rows the draft ran for (measured at `after`), those lookup
+    `missed`, and the tokens each proposal held. A pass that stopped before
+    its first unconfident draw proposed nothing: it cost its catch-up and a
+    draw, and is measured as what it yielded, no token."""
     counted = missed & self.live & self.own
     drafted = self.drafted
     if num_proposed is not None:
       drafted = drafted + jnp.where(ran, num_proposed, 0)
-      ran = ran & (num_proposed > 0)
     return self.replace(ran=ran, missed=missed, misses=self.misses + counted,
                         drafted=drafted)
 
