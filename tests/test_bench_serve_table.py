@@ -1,0 +1,22 @@
+"""bench_serve's table: a missing figure is '-', never 'nan'."""
+
+from experiments import bench_serve
+
+
+def row(run, level, tokens_per_s, rolling_alpha):
+  return dict(run=run, level=level, requests=4, tokens_per_s=tokens_per_s,
+              ttft_p50_ms=1.0, ttft_p99_ms=2.0, itl_p50_ms=1.0, itl_p99_ms=2.0,
+              alpha=0.0, rolling_alpha=rolling_alpha, updates=0, update_s=0.0,
+              learning_share=0.0, saved_s=0.0, plain_share=0.0)
+
+
+def test_a_missing_figure_is_a_dash():
+  table = bench_serve._table([
+      row("target", "1 clients", 10.0, float("nan")),  # no drafts: no alpha
+      row("online", "1 clients", 12.0, 0.5),
+      row("online", "8 clients", 30.0, 0.4)])  # no target-only level: no ratio
+  target, online, unmatched = table.splitlines()[2:]
+  assert "nan" not in table
+  assert "| 1.00x |" in target and "| - |" in target
+  assert "| 1.20x |" in online and "| 0.500 |" in online
+  assert "| 30.0 | - |" in unmatched
