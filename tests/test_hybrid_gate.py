@@ -67,19 +67,22 @@ def test_means_move_only_where_measured():
 
 
 def run_gate(draft_accepts: bool, steps: int, explore_every: int, k: int = 3,
-             cost: float = 0.3, estimate_at: int | None = None):
-  """One row of a closed gate on a stream where lookup always misses: the
-  steps the draft proposed on. A draft that `draft_accepts` gets all k
-  tokens accepted (k + 1 kept), else none (1 kept). `estimate_at`: the step
-  before which an update's estimate of that draft comes in."""
-  g = gate([0.0], [1.0], age=(9,), live=(True,), own=(True,))
+             cost: float = 0.3, estimate_at: int | None = None,
+             start: float = 0.0, proposes: bool = True):
+  """One row of a gate (closed: its accepted mean at `start`) on a stream
+  where lookup always misses: the steps the draft ran on. A draft that
+  `draft_accepts` gets all k tokens accepted (k + 1 kept), else none (1
+  kept); one that never `proposes` stops before its first draw every pass.
+  `estimate_at`: the step before which an update's estimate of that draft
+  comes in."""
+  g = gate([start], [1.0], age=(9,), live=(True,), own=(True,))
   missed = jnp.array([True])
   served = []
   for step in range(steps):
     if step == estimate_at:
       g = g.reestimated(jnp.float32(k if draft_accepts else 0.0))
     ran = g.serves(missed, cost, explore_every)
-    g = g.proposed(ran, missed)
+    g = g.proposed(ran, missed, None if proposes else jnp.array([0]))
     kept = k + 1 if (draft_accepts and bool(ran[0])) else 1
     g = g.after(jnp.array([kept]), own=True)
     if bool(ran[0]):
@@ -135,14 +138,7 @@ def test_a_draft_that_never_proposes_closes_the_optimistic_gate():
   is never confident enough to propose is closed after a few passes, then
   runs only on the exploring steps; counted as no evidence, it ran on every
   miss for good (2026-12-07: 1.6 ms of a 30 ms step in the main job)."""
-  g = gate([1.0], [1.0], age=(9,), live=(True,), own=(True,))
-  missed = jnp.array([True])
-  served = []
-  for step in range(40):
-    ran = g.serves(missed, 0.3, explore_every=4)
-    g = g.proposed(ran, missed, jnp.array([0])).after(jnp.array([1]), own=True)
-    if bool(ran[0]):
-      served.append(step)
+  served = run_gate(False, 40, explore_every=4, start=1.0, proposes=False)
   assert served[-6:] == [16, 20, 24, 28, 32, 36]
   assert len(served) < 40 // 4 + 12
 

@@ -7,10 +7,10 @@ batch); `learn` puts the requests that finished into the buffer of their
 draft and, every I finished requests, takes that draft's update. A serve
 call runs `serve`, then `learn` where it has work: a request finished, or
 an update is due or under way. The update lives in one program, not in
-each serve program: it is
-most of a serve program's kernels (every sample length compiles a branch),
-so a copy in each of 20-40 serve programs multiplied compile time, load
-time from the persistent cache and memory mappings (program_maps.py).
+each serve program: it is most of a serve program's kernels (every sample
+length compiles a branch), so a copy in each of 20-40 serve programs
+multiplied compile time, load time from the persistent cache and memory
+mappings (program_maps.py).
 Slots and buffers are split over devices; drafts and optimizer states are
 replicated, and the update sums losses, weights and gradients over devices
 before dividing, so every replica stays equal to what one device would
@@ -402,9 +402,10 @@ class Step:
     may_update = self._flag[bool(may_update)]
     state, finished, learns = self._serve[key](target_params, state,
                                                self._flag[bool(refill)], may_update)
-    # Learning, the host waits for the serve call here, as its caller would
-    # next: most calls finish no request and step no update, and the learn
-    # program would still rewrite the buffer's fields (milliseconds a call).
+    # Only a step that learns reads the flag: the host waits for the serve
+    # call here, as its caller would next. Most calls finish no request and
+    # step no update, and the learn program would still rewrite the buffer's
+    # fields (milliseconds a call).
     if not (self.cfg.learn and bool(learns)):
       return state, self._nothing
     return self.learn(target_params, state, finished, may_update)
