@@ -29,7 +29,6 @@ serve calls that ran the target alone.
 
 import asyncio
 import json
-import math
 import os
 import shlex
 import tempfile
@@ -39,7 +38,7 @@ from absl import app, flags
 import numpy as np
 import openai
 
-from experiments import cli
+from experiments import bench_serve_table, cli
 from experiments.server_process import ServerProcess
 from osd_jax.data import streams
 
@@ -203,30 +202,6 @@ def _level_name(concurrency: int, rate: float) -> str:
   return f"{rate:g} req/s" if rate > 0 else f"{concurrency} clients"
 
 
-def _figure(value: float, fmt: str, unit: str = "") -> str:
-  """A table cell: '-' where there is no figure (NaN: target-only has no
-  rolling alpha, a run without a target-only level no ratio)."""
-  return "-" if math.isnan(value) else format(value, fmt) + unit
-
-
-def _table(results: list[dict]) -> str:
-  base = {r["level"]: r["tokens_per_s"] for r in results if r["run"] == "target"}
-  head = ("| run | load | requests | tokens/s | vs target | TTFT P50 / P99 ms |"
-          " ITL P50 / P99 ms | alpha (level) | rolling alpha | updates |"
-          " learning s (share) | saved s | plain calls |")
-  rows = [head, "|" + "---|" * 13]
-  for r in results:
-    ratio = r["tokens_per_s"] / base[r["level"]] if r["level"] in base else float("nan")
-    rows.append(f"| {r['run']} | {r['level']} | {r['requests']} |"
-                f" {r['tokens_per_s']:.1f} | {_figure(ratio, '.2f', 'x')} |"
-                f" {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
-                f" {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['alpha']:.3f} |"
-                f" {_figure(r['rolling_alpha'], '.3f')} | {r['updates']:.0f} |"
-                f" {r['update_s']:.1f} ({r['learning_share']:.0%}) |"
-                f" {r['saved_s']:.1f} | {r['plain_share']:.0%} |")
-  return "\n".join(rows)
-
-
 def main(argv):
   del argv
   try:
@@ -251,7 +226,7 @@ def main(argv):
   for name in RUN_NAMES.value:
     ready[name], run = _serve(name, levels, questions, workdir)
     results += run
-  print(_table(results))
+  print(bench_serve_table.table(results))
   starts = ", ".join(f"{name} {s:.0f} s" for name, s in ready.items())
   print(f"ready after start (the runs, in order, share one compilation cache,"
         f" empty at first): {starts}")

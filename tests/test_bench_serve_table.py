@@ -1,6 +1,6 @@
 """bench_serve's table: a missing figure is '-', never 'nan'."""
 
-from experiments import bench_serve
+from experiments import bench_serve_table
 
 
 def row(run, level, tokens_per_s, rolling_alpha):
@@ -11,7 +11,7 @@ def row(run, level, tokens_per_s, rolling_alpha):
 
 
 def test_a_missing_figure_is_a_dash():
-  table = bench_serve._table([
+  table = bench_serve_table.table([
       row("target", "1 clients", 10.0, float("nan")),  # no drafts: no alpha
       row("online", "1 clients", 12.0, 0.5),
       row("online", "8 clients", 30.0, 0.4)])  # no target-only level: no ratio
