@@ -5,20 +5,28 @@ draft, at a few concurrency levels.
   python -m experiments.bench_serve --concurrency=1,8 --requests=8 \
       --server_flags="--target=/path/to/hf_dir --draft=/path/to/draft"
 
-Starts `experiments.serve` once per run, with its own draft defaults: --k=0
-(the target alone), --nolearn (the draft stays as it started) and learning
-on, the last two verifying only the drafted positions that pay at the
-costs the server measures at start-up (--position_costs=auto), and each
-call speculating or running the target alone, whichever has been faster
-(--speculate=auto; learning within --learning_payback, online_unpaid
-without it); the *_always runs speculate in every call, and
-static_every_position also verifies every drafted position; the *_batch_k
-runs draft fewer tokens per step in larger batches. The levels start once
-every program is compiled (the server is ready before the narrower windows'
-programs, which it compiles while serving). Each gets the same shifting query stream (chat endpoint,
-streamed, greedy) at each load level: a closed loop of that many clients
+Starts `experiments.serve` once per run, all of them up together, with its
+own draft defaults: --k=0 (the target alone), --nolearn (the draft stays as
+it started) and learning on, the last two verifying only the drafted
+positions that pay at the costs the server measures at start-up
+(--position_costs=auto), and each call speculating or running the target
+alone, whichever has been faster (--speculate=auto; learning within
+--learning_payback, online_unpaid without it); the *_always runs speculate
+in every call, and static_every_position also verifies every drafted
+position; the *_batch_k runs draft fewer tokens per step in larger batches.
+The levels start once every server has compiled every program (a server is
+ready before the narrower windows' programs, which it compiles while
+serving).
+
+Each server gets the same shifting query stream (chat endpoint, streamed,
+greedy) at each load level: a closed loop of that many clients
 (--concurrency), or requests arriving as a Poisson process of a given rate
-whatever is in flight (--arrival_rates, open loop). Reports throughput (generated tokens/s) and its ratio to the target-only server at the same level, P50/P99
+whatever is in flight (--arrival_rates, open loop). A level's requests go
+out in --turns slices; the servers take turns on each slice, in an order
+that rotates, so the host's drift slows them alike (bench_serve_turns.py).
+
+Reports throughput (generated tokens/s over the seconds of the server's
+turns) and its ratio to the target-only server at the same level, P50/P99
 time to first token and inter-token latency (per request: the time between
 its first and last token over its tokens - 1), and alpha: the level's mean
 over its requests and the server's rolling alpha when the level ends, the
@@ -38,7 +46,7 @@ from absl import app, flags
 import numpy as np
 import openai
 
-from experiments import bench_serve_table, cli
+from experiments import bench_serve_table, bench_serve_turns, cli
 from experiments.server_process import ServerProcess
 from osd_jax.data import streams
 
@@ -50,7 +58,7 @@ ARRIVAL_RATES = flags.DEFINE_list(
     " arriving as a Poisson process whatever is in flight (vLLM's"
     " benchmark_serving --request-rate).")
 cli.require_positive_ints(CONCURRENCY)
-REQUESTS = flags.DEFINE_integer("requests", 16, "Requests per concurrency level.")
+REQUESTS = flags.DEFINE_integer("requests", 32, "Requests per concurrency level.")
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 DOMAINS = flags.DEFINE_list("domains", ["math", "sql"], "Query domains, in order.")
 SLOTS = flags.DEFINE_integer("slots", 8, "Server decode slots.")
@@ -90,11 +98,11 @@ async def _request(client, question: str, record: list) -> None:
                  "tokens": tokens, "alpha": usage.model_extra["alpha"]})
 
 
-async def _level(url: str, questions: list[str], concurrency: int,
-                 rate: float = 0.0, seed: int = 0) -> dict:
+async def _requests(url: str, questions: list[str], concurrency: int,
+                    rate: float = 0.0, seed: int = 0) -> tuple[list[dict], float]:
   """The questions through `concurrency` closed-loop clients, or (`rate` > 0)
   arriving as a Poisson process of that many requests a second, each sent
-  when it arrives whatever is in flight; latency and speed."""
+  when it arrives whatever is in flight: (a record per request, seconds)."""
   client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
                               timeout=600)
   todo = list(reversed(questions))
@@ -116,14 +124,7 @@ async def _level(url: str, questions: list[str], concurrency: int,
     await asyncio.gather(*(worker() for _ in range(concurrency)))
   seconds = time.perf_counter() - start
   await client.close()
-  refused = sum(1 for r in records if r.get("refused"))
-  records = [r for r in records if not r.get("refused")]
-  pct = lambda key, q: float(np.percentile([r[key] for r in records], q))
-  return {"concurrency": concurrency, "requests": len(records), "refused": refused,
-          "tokens_per_s": sum(r["tokens"] for r in records) / seconds,
-          "ttft_p50_ms": 1e3 * pct("ttft_s", 50), "ttft_p99_ms": 1e3 * pct("ttft_s", 99),
-          "itl_p50_ms": 1e3 * pct("itl_s", 50), "itl_p99_ms": 1e3 * pct("itl_s", 99),
-          "alpha": float(np.mean([r["alpha"] for r in records]))}
+  return records, seconds
 
 
 # Each run's server flags: the target alone, the draft frozen, the draft
@@ -145,10 +146,16 @@ RUN_NAMES = flags.DEFINE_list(
     f"Servers to run, in order, of {list(RUNS)}.")
 
 
-def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
-           workdir: str, log: str | None = None) -> tuple[float, list[dict]]:
-  """(Seconds until the server was ready, its results at each (clients,
-  arrival rate) level.)"""
+TURNS = flags.DEFINE_integer(
+    "turns", 2, "Every server stays up and each level's requests go out in this"
+    " many slices, each served by every server in turn (the order rotating), so"
+    " the host's drift over minutes slows all servers alike; 1: each level's"
+    " requests in one go, the servers still taking turns.")
+
+
+def _start(name: str, workdir: str, log: str | None = None) -> tuple[ServerProcess, float]:
+  """A server for the run `name`, ready with every program compiled, and
+  the seconds until it was ready."""
   draft = [] if name == "target" else [f"--k={K.value}"]
   draft.append(f"--batch_k={BATCH_K.value if name.endswith('_batch_k') else ''}")
   server = ServerProcess(
@@ -167,35 +174,39 @@ def _serve(name: str, levels: list[tuple[int, float]], questions: list[str],
     if rest:
       print(f"[{name}] and {rest[0]} more programs compiled while serving, in"
             f" {rest[1]:.0f} s", flush=True)
-    results = []
-    for i, (concurrency, rate) in enumerate(levels):
-      n = REQUESTS.value
-      before = server.metrics()
-      result = asyncio.run(_level(server.url, questions[i * n:(i + 1) * n], concurrency,
-                                  rate, seed=i))
-      after = server.metrics()
-      delta = lambda metric: after[metric] - before[metric]
-      result.update(run=name, rolling_alpha=after["osd:rolling_alpha"],
-                    arrival_rate=rate, level=_level_name(concurrency, rate),
-                    updates=delta("osd:draft_updates_total"),
-                    plain_share=_share(after, before, "osd:plain_calls_total",
-                                       "osd:serve_calls_total"),
-                    update_s=delta("osd:update_seconds_total"),
-                    learning_share=_share(after, before, "osd:update_seconds_total",
-                                          "osd:serve_seconds_total"),
-                    saved_s=delta("osd:speculation_saved_seconds"))
-      results.append(result)
-      print(f"[{name}] {result['level']}: {result['tokens_per_s']:.1f} tokens/s",
-            flush=True)
-    return ready_s, results
-  finally:
+  except BaseException:
     server.stop()
+    raise
+  return server, ready_s
 
 
-def _share(after: dict, before: dict, part: str, whole: str) -> float:
-  """part's share of whole between two scrapes (NaN: no calls)."""
-  calls = after[whole] - before[whole]
-  return (after[part] - before[part]) / calls if calls else float("nan")
+def _levels(servers: dict[str, ServerProcess], levels: list[tuple[int, float]],
+            questions: list[str]) -> list[dict]:
+  """Each level's figures for every server, its requests served in turns."""
+  results = []
+  for i, (concurrency, rate) in enumerate(levels):
+    n = REQUESTS.value
+    level = _level_name(concurrency, rate)
+    records = {name: [] for name in servers}
+    seconds = dict.fromkeys(servers, 0.0)
+    deltas = {name: dict.fromkeys(bench_serve_turns.COUNTERS, 0.0) for name in servers}
+    for turn, part in enumerate(bench_serve_turns.slices(questions[i * n:(i + 1) * n],
+                                                          TURNS.value)):
+      for name in bench_serve_turns.order(list(servers), turn):
+        before = servers[name].metrics()
+        got, took = asyncio.run(_requests(servers[name].url, part, concurrency, rate,
+                                          seed=1000 * i + turn))
+        change = bench_serve_turns.counter_deltas(before, servers[name].metrics())
+        records[name] += got
+        seconds[name] += took
+        deltas[name] = {key: deltas[name][key] + change[key] for key in change}
+    for name, server in servers.items():
+      result = bench_serve_turns.figures(records[name], seconds[name], deltas[name])
+      result.update(run=name, concurrency=concurrency, arrival_rate=rate, level=level,
+                    rolling_alpha=server.metrics()["osd:rolling_alpha"])
+      results.append(result)
+      print(f"[{name}] {level}: {result['tokens_per_s']:.1f} tokens/s", flush=True)
+  return results
 
 
 def _level_name(concurrency: int, rate: float) -> str:
@@ -213,6 +224,8 @@ def main(argv):
   if rates and CONCURRENCY.present:
     raise app.UsageError("Pass --concurrency (closed loop) or --arrival_rates"
                          " (open loop), not both.")
+  if TURNS.value < 1:
+    raise app.UsageError(f"--turns must be at least 1, got {TURNS.value}.")
   levels = ([(0, r) for r in rates] if rates else
             [(int(c), 0.0) for c in CONCURRENCY.value])
   total = REQUESTS.value * len(levels)
@@ -222,17 +235,23 @@ def main(argv):
   if unknown or "target" not in RUN_NAMES.value:
     raise app.UsageError(f"--runs must include target and name only {list(RUNS)}.")
   workdir = tempfile.mkdtemp(prefix="osd_bench_serve_")
-  results, ready = [], {}
-  for name in RUN_NAMES.value:
-    ready[name], run = _serve(name, levels, questions, workdir)
-    results += run
+  servers, ready = {}, {}
+  try:
+    for name in RUN_NAMES.value:
+      servers[name], ready[name] = _start(name, workdir)
+    results = _levels(servers, levels, questions)
+  finally:
+    for server in servers.values():
+      server.stop()
+  print(f"{TURNS.value} turns a level, the servers in rotating order:")
   print(bench_serve_table.table(results))
   starts = ", ".join(f"{name} {s:.0f} s" for name, s in ready.items())
   print(f"ready after start (the runs, in order, share one compilation cache,"
         f" empty at first): {starts}")
   if RESTART.value:  # the last server again, on the programs it cached
     name = RUN_NAMES.value[-1]
-    again, _ = _serve(name, [], questions, workdir, log=f"server_{name}_again.log")
+    server, again = _start(name, workdir, log=f"server_{name}_again.log")
+    server.stop()
     print(f"ready after a restart of {name} (its programs cached): {again:.0f} s")
   print(f"server logs in {workdir}")
   if OUTPUT.value:
