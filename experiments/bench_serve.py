@@ -5,25 +5,28 @@ draft, at a few concurrency levels.
   python -m experiments.bench_serve --concurrency=1,8 --requests=8 \
       --server_flags="--target=/path/to/hf_dir --draft=/path/to/draft"
 
-Starts `experiments.serve` once per run, all of them up together, with its
-own draft defaults: --k=0 (the target alone), --nolearn (the draft stays as
-it started) and learning on, the last two verifying only the drafted
-positions that pay at the costs the server measures at start-up
-(--position_costs=auto), and each call speculating or running the target
-alone, whichever has been faster (--speculate=auto; learning within
---learning_payback, online_unpaid without it); the *_always runs speculate
-in every call, and static_every_position also verifies every drafted
-position; the *_batch_k runs draft fewer tokens per step in larger batches.
-The levels start once every server has compiled every program (a server is
-ready before the narrower windows' programs, which it compiles while
-serving).
+Starts `experiments.serve` for the target alone, up throughout, and for
+each other run in turn beside it (two at a time: a learning server holds
+about 7 GB on a CPU host), each with its own draft defaults: --k=0 (the
+target alone), --nolearn (the draft stays as it started) and learning on,
+the last two verifying only the drafted positions that pay at the costs
+the server measures at start-up (--position_costs=auto), and each call
+speculating or running the target alone, whichever has been faster
+(--speculate=auto; learning within --learning_payback, online_unpaid
+without it); the *_always runs speculate in every call, and
+static_every_position also verifies every drafted position; the *_batch_k
+runs draft fewer tokens per step in larger batches. The levels start once
+both servers have compiled every program (a server is ready before the
+narrower windows' programs, which it compiles while serving).
 
 Each server gets the same shifting query stream (chat endpoint, streamed,
 greedy) at each load level: a closed loop of that many clients
 (--concurrency), or requests arriving as a Poisson process of a given rate
 whatever is in flight (--arrival_rates, open loop). A level's requests go
-out in --turns slices; the servers take turns on each slice, in an order
-that rotates, so the host's drift slows them alike (bench_serve_turns.py).
+out in --turns slices; the run and the target-only server take turns on
+each slice, in an order that rotates, so the host's drift slows them alike
+(bench_serve_turns.py), and each run is compared with the target-only
+server's figures from its own turns.
 
 Reports throughput (generated tokens/s over the seconds of the server's
 turns) and its ratio to the target-only server at the same level, P50/P99
@@ -147,10 +150,10 @@ RUN_NAMES = flags.DEFINE_list(
 
 
 TURNS = flags.DEFINE_integer(
-    "turns", 2, "Every server stays up and each level's requests go out in this"
-    " many slices, each served by every server in turn (the order rotating), so"
-    " the host's drift over minutes slows all servers alike; 1: each level's"
-    " requests in one go, the servers still taking turns.")
+    "turns", 2, "Each level's requests go out in this many slices, each served"
+    " by the run's server and the target-only one in turn (the order rotating),"
+    " so the host's drift over minutes slows both alike; 1: each level's"
+    " requests in one go, the two servers still taking turns.")
 
 
 def _start(name: str, workdir: str, log: str | None = None) -> tuple[ServerProcess, float]:
@@ -235,15 +238,25 @@ def main(argv):
   if unknown or "target" not in RUN_NAMES.value:
     raise app.UsageError(f"--runs must include target and name only {list(RUNS)}.")
   workdir = tempfile.mkdtemp(prefix="osd_bench_serve_")
-  servers, ready = {}, {}
+  # Two servers up at a time: the target-only one stays, each other run's
+  # comes and goes (a learning server holds about 7 GB on a CPU host).
+  results, ready = [], {}
+  target, ready["target"] = _start("target", workdir)
   try:
-    for name in RUN_NAMES.value:
-      servers[name], ready[name] = _start(name, workdir)
-    results = _levels(servers, levels, questions)
+    others = [n for n in RUN_NAMES.value if n != "target"]
+    if not others:
+      results = _levels({"target": target}, levels, questions)
+    for name in others:
+      server, ready[name] = _start(name, workdir)
+      try:
+        pair = _levels({"target": target, name: server}, levels, questions)
+      finally:
+        server.stop()
+      results += [dict(r, beside=name) for r in pair]
   finally:
-    for server in servers.values():
-      server.stop()
-  print(f"{TURNS.value} turns a level, the servers in rotating order:")
+    target.stop()
+  print(f"{TURNS.value} turns a level, each run taking turns with the target-only"
+        f" server:")
   print(bench_serve_table.table(results))
   starts = ", ".join(f"{name} {s:.0f} s" for name, s in ready.items())
   print(f"ready after start (the runs, in order, share one compilation cache,"

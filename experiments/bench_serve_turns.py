@@ -3,9 +3,9 @@ import them alone).
 
 Servers measured one after another are minutes apart, and a shared host's
 speed drifts by 20-40 % over hours: a gap of 10 % between two servers may be
-the hour, not the server. In turns, every server stays up and a level's
-requests go out in slices, each served by every server in a rotating order,
-so a slow minute slows all of them alike.
+the hour, not the server. In turns, the servers compared stay up together
+and a level's requests go out in slices, each served by every one of them in
+a rotating order, so a slow minute slows all of them alike.
 """
 
 import numpy as np

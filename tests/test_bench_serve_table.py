@@ -20,3 +20,14 @@ def test_a_missing_figure_is_a_dash():
   assert "| 1.00x |" in target and "| - |" in target
   assert "| 1.20x |" in online and "| 0.500 |" in online
   assert "| 30.0 | - |" in unmatched
+
+
+def test_each_run_is_compared_with_the_target_in_its_own_turns():
+  table = bench_serve_table.table([
+      dict(row("target", "1 clients", 10.0, float("nan")), beside="static"),
+      dict(row("static", "1 clients", 9.0, 0.5), beside="static"),
+      dict(row("target", "1 clients", 20.0, float("nan")), beside="online"),
+      dict(row("online", "1 clients", 30.0, 0.5), beside="online")])
+  target_static, static, target_online, online = table.splitlines()[2:]
+  assert target_static.startswith("| target (beside static) |")
+  assert "| 0.90x |" in static and "| 1.50x |" in online
