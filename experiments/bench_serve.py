@@ -62,6 +62,11 @@ ARRIVAL_RATES = flags.DEFINE_list(
     " benchmark_serving --request-rate).")
 cli.require_positive_ints(CONCURRENCY)
 REQUESTS = flags.DEFINE_integer("requests", 32, "Requests per concurrency level.")
+TURNS = flags.DEFINE_integer(
+    "turns", 2, "Each level's requests go out in this many slices, each served"
+    " by the run's server and the target-only one in turn (the order rotating),"
+    " so the host's drift over minutes slows both alike; 1: each level's"
+    " requests in one go, the two servers still taking turns.")
 MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 DOMAINS = flags.DEFINE_list("domains", ["math", "sql"], "Query domains, in order.")
 SLOTS = flags.DEFINE_integer("slots", 8, "Server decode slots.")
@@ -147,13 +152,6 @@ RESTART = flags.DEFINE_bool(
 RUN_NAMES = flags.DEFINE_list(
     "runs", ["target", "static", "static_always", "online"],
     f"Servers to run, in order, of {list(RUNS)}.")
-
-
-TURNS = flags.DEFINE_integer(
-    "turns", 2, "Each level's requests go out in this many slices, each served"
-    " by the run's server and the target-only one in turn (the order rotating),"
-    " so the host's drift over minutes slows both alike; 1: each level's"
-    " requests in one go, the two servers still taking turns.")
 
 
 def _start(name: str, workdir: str, log: str | None = None,
@@ -261,8 +259,8 @@ def main(argv):
         f" server:")
   print(bench_serve_table.table(results))
   starts = ", ".join(f"{name} {s:.0f} s" for name, s in ready.items())
-  print(f"ready after start (the runs, in order, share one compilation cache,"
-        f" empty at first): {starts}")
+  print(f"ready after start (the runs, in order, share one compilation cache:"
+        f" a new one unless --server_flags names another): {starts}")
   if RESTART.value:  # the last server again, on the programs it cached
     name = RUN_NAMES.value[-1]
     server, again = _start(name, workdir, log=f"server_{name}_again.log",
