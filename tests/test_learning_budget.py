@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import queue
+import time
 
 import jax
 import numpy as np
@@ -194,3 +195,37 @@ def _live_updates(monkeypatch, budget: float) -> int:
 def test_the_live_engine_holds_updates_to_their_share_of_its_time(monkeypatch):
   assert _live_updates(monkeypatch, 0.0) == 12
   assert 1 <= _live_updates(monkeypatch, 0.2) < 12
+
+
+def test_the_driver_does_not_time_an_insert_as_part_of_the_next_call(monkeypatch):
+  """Dispatch is asynchronous: an insert still running when the next serve
+  call starts would count in that call's seconds (the learning budget's
+  cost of an update) and in its own request's decoding time. Each insert's
+  result here arrives half a second late and moves the clock on by 100 s."""
+  clock = [0.0]
+  monkeypatch.setattr(driver, "_host_seconds", lambda: clock[0])
+
+  def late(x):
+    time.sleep(0.5)
+    clock[0] += 100.0
+    return x
+
+  delayed = jax.jit(lambda x: jax.pure_callback(
+      late, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+  target, draft = tiny_pair()
+  step = online.make_step(online.make_mesh(1), target_config=target.config,
+                          drafter=draft.drafter, cfg=MAIN)
+  insert = step.insert
+
+  def late_insert(*args):
+    state = insert(*args)
+    return state.replace(slots=state.slots.replace(budget=delayed(state.slots.budget)))
+
+  monkeypatch.setattr(step, "insert", late_insert)  # shared: put back after
+  records = serve_stream(QUERIES[:3], MAIN, devices=1, num_slots=2)["records"]
+  assert clock[0] >= 300.0  # every insert ran, late
+  itl = {r["request"]: r["itl_s"] for r in records}
+  # Requests 0 and 2 decode apart from their own prefills. Request 1 was
+  # decoding while request 2 was inserted, and waited for it (as an engine's
+  # inter-token latency counts another request's prefill).
+  assert itl[0] == itl[2] == 0.0 and itl[1] > 0.0

@@ -347,6 +347,9 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       state = step.insert(target_params, state, rows(prompts), rows(lens),
                           rows(budget), rows(slot), rows(routes),
                           rows(keys[key_rows]), rows(sampling))
+      # Waited for here, so that the prefill is not timed as part of the
+      # next serve call (the learning budget's cost of an update).
+      jax.block_until_ready(state)
 
   def collect() -> list[dict]:
     """Records of the requests that finished in the last call; frees their slots."""

@@ -479,6 +479,10 @@ class LiveEngine:
           rows(slot), rows(routes), rows(jax.random.wrap_key_data(key_data)),
           rows(RowSampling(temperature, top_k, top_p)),
           *self._logprobs_input(wants_logprobs))
+      # Dispatch is asynchronous: unwaited, the prefill would run inside the
+      # next serve call's timing, and the call choice and the learning
+      # budget would book it to whichever kind of call came next.
+      jax.block_until_ready(self._state)
 
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
