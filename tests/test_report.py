@@ -54,5 +54,5 @@ def test_each_segment_says_what_the_learned_draft_proposed_and_got_accepted():
   summary = {"run": "online", "segments": [math_seg, sql_seg],
              **learning_cost([dict(r, updates=1, update_s=0.5) for r in records])}
   text = learning_lines([summary])
-  assert "math 4 proposed, 1 accepted (20% of proposals)" in text
+  assert "math 4 proposed, 1 accepted (20% of all proposed tokens)" in text
   assert "3 updates, 1.5 s, 50.0% of serving time" in text  # last finish at 3 s

@@ -154,8 +154,8 @@ def learning_lines(summaries: list[dict]) -> str:
   lines = []
   for s in summaries:
     parts = [f"{seg['domain']} {seg['draft_proposed']} proposed,"
-             f" {seg['draft_accepted']} accepted ({seg['draft_share']:.0%} of"
-             " proposals)" for seg in s["segments"] if "draft_proposed" in seg]
+             f" {seg['draft_accepted']} accepted ({seg['draft_share']:.0%} of all"
+             " proposed tokens)" for seg in s["segments"] if "draft_proposed" in seg]
     if parts:
       lines.append(f"{s['run']} learned draft: " + "; ".join(parts))
     if s.get("updates"):
