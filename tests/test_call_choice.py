@@ -1,15 +1,12 @@
 """Choosing per call between speculating and the target alone, by the clock:
 the choice, its exploration, and the live engine serving plain calls."""
 
-import time
-
-import jax
 import numpy as np
 import pytest
 
 from osd_jax.serving import live, online
 from osd_jax.serving.call_choice import CallChoice
-from tests.test_learning_budget import ring_engine, serve_all
+from tests.test_learning_budget import make_inserts_late, ring_engine, serve_all
 from tests.test_logprobs import serve_flags_printing
 from tests.test_online import QUERIES
 
@@ -140,28 +137,12 @@ def test_an_insert_is_not_timed_as_part_of_the_next_call(monkeypatch):
   """Dispatch is asynchronous: an insert still running when a serve call
   starts would be timed as that call's, and the choice and the learning
   budget would book its prefill to whichever kind of call came next. Here
-  each insert's result arrives half a second late and moves the engine's
-  clock on by 100 s as it does: none of that reaches a serve call."""
+  each insert's result arrives late and moves the engine's clock on by
+  100 s as it does: none of that reaches a serve call."""
   clock = [0.0]
   monkeypatch.setattr(live, "_busy_clock", lambda: clock[0])
-
-  def late(x):
-    time.sleep(0.5)
-    clock[0] += 100.0
-    return x
-
-  delayed = jax.jit(lambda x: jax.pure_callback(
-      late, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
   engine = ring_engine()
-  insert = engine._step.insert  # pylint: disable=protected-access
-
-  def late_insert(*args):
-    state = insert(*args)
-    slots = state.slots
-    return state.replace(slots=slots.replace(budget=delayed(slots.budget)))
-
-  # The compiled programs are shared: monkeypatch puts them back.
-  monkeypatch.setattr(engine._step, "insert", late_insert)  # pylint: disable=protected-access
+  make_inserts_late(monkeypatch, engine._step, clock)  # pylint: disable=protected-access
   serve_all(engine, QUERIES[:3])
   assert clock[0] >= 300.0  # every insert ran, late
   assert engine._learning.serving_seconds == 0.0  # pylint: disable=protected-access

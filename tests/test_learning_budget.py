@@ -197,13 +197,10 @@ def test_the_live_engine_holds_updates_to_their_share_of_its_time(monkeypatch):
   assert 1 <= _live_updates(monkeypatch, 0.2) < 12
 
 
-def test_the_driver_does_not_time_an_insert_as_part_of_the_next_call(monkeypatch):
-  """Dispatch is asynchronous: an insert still running when the next serve
-  call starts would count in that call's seconds (the learning budget's
-  cost of an update) and in its own request's decoding time. Each insert's
-  result here arrives half a second late and moves the clock on by 100 s."""
-  clock = [0.0]
-  monkeypatch.setattr(driver, "_host_seconds", lambda: clock[0])
+def make_inserts_late(monkeypatch, step, clock: list) -> None:
+  """Makes `step`'s inserts' results arrive half a second after the call
+  returns (dispatch is asynchronous), moving clock[0] on by 100 s as they
+  do. The compiled programs are shared: monkeypatch puts them back."""
 
   def late(x):
     time.sleep(0.5)
@@ -212,16 +209,25 @@ def test_the_driver_does_not_time_an_insert_as_part_of_the_next_call(monkeypatch
 
   delayed = jax.jit(lambda x: jax.pure_callback(
       late, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
-  target, draft = tiny_pair()
-  step = online.make_step(online.make_mesh(1), target_config=target.config,
-                          drafter=draft.drafter, cfg=MAIN)
   insert = step.insert
 
   def late_insert(*args):
     state = insert(*args)
     return state.replace(slots=state.slots.replace(budget=delayed(state.slots.budget)))
 
-  monkeypatch.setattr(step, "insert", late_insert)  # shared: put back after
+  monkeypatch.setattr(step, "insert", late_insert)
+
+
+def test_the_driver_does_not_time_an_insert_as_part_of_the_next_call(monkeypatch):
+  """An insert still running when the next serve call starts would count in
+  that call's seconds (the learning budget's cost of an update) and in its
+  own request's decoding time."""
+  clock = [0.0]
+  monkeypatch.setattr(driver, "_host_seconds", lambda: clock[0])
+  target, draft = tiny_pair()
+  make_inserts_late(monkeypatch, online.make_step(
+      online.make_mesh(1), target_config=target.config, drafter=draft.drafter,
+      cfg=MAIN), clock)
   records = serve_stream(QUERIES[:3], MAIN, devices=1, num_slots=2)["records"]
   assert clock[0] >= 300.0  # every insert ran, late
   itl = {r["request"]: r["itl_s"] for r in records}
