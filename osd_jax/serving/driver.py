@@ -347,9 +347,6 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       state = step.insert(target_params, state, rows(prompts), rows(lens),
                           rows(budget), rows(slot), rows(routes),
                           rows(keys[key_rows]), rows(sampling))
-      # Waited for here, so that the prefill is not timed as part of the
-      # next serve call (the learning budget's cost of an update).
-      jax.block_until_ready(state)
 
   def collect() -> list[dict]:
     """Records of the requests that finished in the last call; frees their slots."""
@@ -430,6 +427,9 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       lengths = distributed.gather(state.slots.lengths)
       window = cfg.window(int(lengths[occupied].max()))
       batch = slot_lib.occupied_batch(occupied, per_device)
+      # The inserts' prefills are waited for, not timed as part of this call
+      # (the learning budget's cost of an update, a request's decoding time).
+      jax.block_until_ready(state)
       call_start = clock()
       state, out = step.serve(target_params, state, steps=cfg.steps_per_call,
                               window=window, batch=batch,

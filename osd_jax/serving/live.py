@@ -479,10 +479,6 @@ class LiveEngine:
           rows(slot), rows(routes), rows(jax.random.wrap_key_data(key_data)),
           rows(RowSampling(temperature, top_k, top_p)),
           *self._logprobs_input(wants_logprobs))
-      # Dispatch is asynchronous: unwaited, the prefill would run inside the
-      # next serve call's timing, and the call choice and the learning
-      # budget would book it to whichever kind of call came next.
-      jax.block_until_ready(self._state)
 
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
@@ -497,6 +493,10 @@ class LiveEngine:
     plain = (plain_program is not None
              and self.calls.plain(needs[1], distributed.all_agree))
     window, batch = plain_program if plain else compiled.program(*needs)
+    # Dispatch is asynchronous: unwaited, the inserts' prefills would run
+    # inside this call's timing, and the call choice and the learning budget
+    # would book them to whichever kind of call came next.
+    jax.block_until_ready(self._state)
     start = _busy_clock()
     self._state, out = self._step.serve(
         self._target_params, self._state, steps=self.cfg.steps_per_call,
