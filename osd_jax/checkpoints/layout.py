@@ -84,10 +84,11 @@ def params_to_hf(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
   """Our tree back to HF names and [out, in] layout, as float32 numpy."""
   tensors = {EMBED: np.asarray(params["embed"], np.float32),
              FINAL_NORM: np.asarray(params["final_norm"], np.float32)}
+  layers = params["layers"]  # stacked, or one dict per layer (online.per_layer)
   for ours, theirs in layer_names(config).items():
-    stacked = np.asarray(params["layers"][ours], np.float32)
     for i in range(config.num_layers):
-      w = stacked[i]
+      w = np.asarray(layers[i][ours] if isinstance(layers, (list, tuple))
+                     else layers[ours][i], np.float32)
       tensors[f"model.layers.{i}.{theirs}"] = w if w.ndim == 1 else w.T.copy()
   if not config.tie_embeddings:
     head = np.asarray(params["lm_head"], np.float32).T
