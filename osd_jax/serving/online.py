@@ -186,7 +186,9 @@ class OnlineConfig:
 class OnlineState:
   """Everything that changes as the stream goes on; leading axis = draft."""
 
-  draft_params: dict  # [num_drafts, ...] replicated over devices
+  # [num_drafts, ...] replicated over devices; a model draft's layers one
+  # dict each (per_layer)
+  draft_params: dict
   opt_state: optax.OptState  # [num_drafts, ...] replicated
   buffer: Buffer  # [devices, num_drafts, ...]: one buffer per device and draft
   slots: SpecState  # [slots, ...] split over devices
