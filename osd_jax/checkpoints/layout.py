@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osd_jax.errors import UserError
+from osd_jax.models import llama
 from osd_jax.models.config import LlamaConfig
 
 # Our per-layer name -> Hugging Face name inside `model.layers.{i}.`.
@@ -84,11 +85,10 @@ def params_to_hf(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
   """Our tree back to HF names and [out, in] layout, as float32 numpy."""
   tensors = {EMBED: np.asarray(params["embed"], np.float32),
              FINAL_NORM: np.asarray(params["final_norm"], np.float32)}
-  layers = params["layers"]  # stacked, or one dict per layer (online.per_layer)
+  layers = llama.unstack_layers(params)["layers"]  # from either layout
   for ours, theirs in layer_names(config).items():
     for i in range(config.num_layers):
-      w = np.asarray(layers[i][ours] if isinstance(layers, (list, tuple))
-                     else layers[ours][i], np.float32)
+      w = np.asarray(layers[i][ours], np.float32)
       tensors[f"model.layers.{i}.{theirs}"] = w if w.ndim == 1 else w.T.copy()
   if not config.tie_embeddings:
     head = np.asarray(params["lm_head"], np.float32).T
