@@ -74,6 +74,12 @@ LEARNING_BUDGET = flags.DEFINE_float(
     "learning_budget", 0.0, "Share of serving time the draft's updates may"
     " take; a due update waits while they have taken more (0: no limit, an"
     " update every --update_interval requests).", lower_bound=0.0, upper_bound=0.99)
+LEARNING_PAYBACK = flags.DEFINE_float(
+    "learning_payback", 0.5, "Besides --learning_budget: updates may take at"
+    " most this share of the seconds the learned draft has saved so far (its"
+    " accepted tokens at what a served token has cost); the first update is"
+    " free. Where the draft serves little, learning stops until it earns. 0:"
+    " off.", lower_bound=0.0, upper_bound=1.0)
 TRAIN_EMBEDDING = flags.DEFINE_bool(
     "train_embedding", False, "Train the draft's token embedding online too"
     " (off: it stays as it started, with no gradient or optimizer state).")

@@ -261,7 +261,8 @@ def main(argv):
         seed=SEED.value, chat=CHAT.value, categories=categories,
         checkpointer=ckpt, checkpoint_every=CHECKPOINT_EVERY.value,
         on_request=reporters[name] or (lambda record: None), compile_first=True,
-        pauses=pauses, learning_budget=learning_flags.LEARNING_BUDGET.value)
+        pauses=pauses, learning_budget=learning_flags.LEARNING_BUDGET.value,
+        learning_payback=learning_flags.LEARNING_PAYBACK.value)
   driver.serve_in_turns(serving, INTERLEAVE.value,
                         lambda name: _finish(name, reporters[name], passes[name][2]))
   if checkpointer is not None:

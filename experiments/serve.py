@@ -68,10 +68,6 @@ def main(argv):
   if sf.RESUME.value and not sf.CHECKPOINT_DIR.value:
     raise app.UsageError("--resume needs --checkpoint_dir.")
   sock = _listening_socket(sf.HOST.value, sf.PORT.value)
-  if sf.LEARN.value and sf.LEARNING_PAYBACK.value and sf.SPECULATE.value != "auto":
-    raise app.UsageError("--learning_payback measures what speculation saved"
-                         " against plain calls: pass --speculate=auto or"
-                         " --learning_payback=0.")
   if sf.K.value == 0 and sf.LEARN.value:
     raise app.UsageError("--k=0 serves the target alone, with no draft to learn:"
                          " pass --nolearn.")

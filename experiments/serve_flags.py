@@ -53,12 +53,6 @@ COMPILATION_CACHE = compilation_cache.FLAG
 # Learning.
 LEARN = flags.DEFINE_bool("learn", True, "Distil the draft on the traffic; --nolearn"
                           " keeps it frozen.")
-LEARNING_PAYBACK = flags.DEFINE_float(
-    "learning_payback", 0.5, "Updates may take at most this share of the seconds"
-    " speculation has saved so far (its calls' tokens at the plain calls'"
-    " measured rate, less their time), besides --learning_budget: up to 1 the"
-    " learning server stays as fast as the target alone. 0: off. Needs"
-    " --speculate=auto.", lower_bound=0.0, upper_bound=1.0)
 ROLLING_WINDOW = flags.DEFINE_integer(
     "rolling_window", 16, "Finished requests in /metrics' rolling alpha.")
 # State.
@@ -89,5 +83,5 @@ def live_config() -> LiveConfig:
                     export_dir=EXPORT_DIR.value, rolling_window=ROLLING_WINDOW.value,
                     seed=SEED.value,
                     learning_budget=learning_flags.LEARNING_BUDGET.value,
-                    learning_payback=LEARNING_PAYBACK.value,
+                    learning_payback=learning_flags.LEARNING_PAYBACK.value,
                     choose_calls=SPECULATE.value == "auto")

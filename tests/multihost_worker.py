@@ -66,7 +66,7 @@ CHARS = string.ascii_lowercase + " "
 CFG = online.OnlineConfig(
     k=3, max_new_tokens=8, cache_size=32, steps_per_call=2, update_interval=4,
     buffer_capacity=2, teacher_k=8, distill=DistillConfig(learning_rate=1e-2))
-TIMING = ("queue_s", "ttft_s", "itl_s", "finished_s", "update_s")
+TIMING = driver.CLOCK_FIELDS
 
 
 class Interrupt(Exception):

@@ -100,19 +100,14 @@ def test_the_live_engine_runs_plain_calls_where_they_are_faster(monkeypatch):
   assert updates(engine) == updates(spec) == 6
 
 
-def test_a_payback_learns_only_from_what_speculation_saved(monkeypatch):
-  """With a payback, updates wait until speculative calls have saved time
-  against plain ones: none where speculation is 10x slower; some where a
-  speculative call (more tokens) takes what a plain one does."""
-  updates = lambda e: int(np.asarray(e._state.num_updates).sum())  # pylint: disable=protected-access
-  _, losing = _serve(monkeypatch, choose=True, learning_payback=0.5)
-  assert updates(losing) == 0 and losing._learning.saved_seconds < 0  # pylint: disable=protected-access
-  _, saving = _serve(monkeypatch, choose=True, plain_s=1.0, learning_payback=1.0)
-  assert saving._learning.saved_seconds > 0  # pylint: disable=protected-access
-  assert 1 <= updates(saving) <= 6  # 6: one per 2 finished requests
-  assert saving._learning.update_seconds <= saving._learning.saved_seconds + 1.0  # pylint: disable=protected-access
-  with pytest.raises(ValueError, match="payback needs calls that choose"):
-    ring_engine(choose_calls=False, learning_payback=0.5)
+def test_the_server_banks_what_speculative_calls_saved(monkeypatch):
+  """osd:speculation_saved_seconds: negative where speculation is 10x
+  slower; positive where a speculative call (more tokens) takes what a
+  plain one does."""
+  _, losing = _serve(monkeypatch, choose=True)
+  assert losing._speculation_saved < 0  # pylint: disable=protected-access
+  _, saving = _serve(monkeypatch, choose=True, plain_s=1.0)
+  assert saving._speculation_saved > 0  # pylint: disable=protected-access
 
 
 def test_a_call_saves_its_tokens_at_the_plain_rate_less_its_time():

@@ -47,23 +47,29 @@ def test_updates_wait_until_serving_time_pays_for_them():
   assert not budget.allows(agree=lambda flag: False)  # another host says no
 
 
-def test_a_payback_spends_only_what_speculation_saved():
+def test_a_payback_spends_only_what_the_learned_draft_saved():
   budget = LearningBudget(0.0, payback=0.5)
-  assert not budget.allows()  # nothing saved yet: the first update waits
-  budget.saved(2.0)
-  assert budget.allows()
-  budget.record("s", 0.1, updated=False)
-  budget.record("s", 1.0, updated=True)  # 0.9 s of 0.5 x 2 s
-  assert budget.allows()
-  budget.saved(-0.4)  # a call that lost time takes it back: 0.5 x 1.6 < 0.9
+  assert budget.allows()  # the first update is free
+  budget.record("s", 1.0, updated=False)
+  assert budget.finished(10, 5) == pytest.approx(0.5)  # 5 tokens at 0.1 s a token
+  budget.record("s", 3.0, updated=True)  # 2 s of updates: needs 4 s saved
   assert not budget.allows()
-  budget.saved(0.3)
+  # The price is the serve calls' seconds a token, updates left out: 2 s / 20.
+  assert budget.finished(10, 0) == 0.0  # lookup's tokens earn nothing
+  assert budget.finished(0, 35) == pytest.approx(3.5)
+  assert budget.saved_seconds == pytest.approx(4.0)
   assert budget.allows() and not budget.allows(agree=lambda flag: False)
   both = LearningBudget(0.1, payback=1.0)  # the share holds too
-  both.saved(100.0)
+  both.finished(1, 100)
   both.record("s", 1.0, updated=False)
   both.record("s", 2.0, updated=True)
-  assert not both.allows()
+  both.finished(1, 100)
+  assert both.saved_seconds > 1.0 and not both.allows()
+  split = LearningBudget(0.0, payback=0.5)  # an update spread over calls
+  split.record("s", 2.0, updated=True, completed=False)
+  assert split.allows() and split.updates == 0  # the free update goes on
+  split.record("s", 2.0, updated=True, completed=True)
+  assert split.updates == 1 and not split.allows()
   with pytest.raises(ValueError, match="payback"):
     LearningBudget(0.1, payback=1.5)
 
@@ -113,27 +119,29 @@ def test_a_due_update_waits_while_it_may_not_run(monkeypatch):
   assert not np.asarray(out.did_update).any()
 
 
-def _fake_clock(monkeypatch, module, name: str):
+def _fake_clock(monkeypatch, module, name: str, update_s: float = 0.9):
   """Replaces module.name, a host clock, by one that serve calls advance:
-  1 s for a call that updates, 0.1 s for the others."""
+  0.1 s, and `update_s` more for a call that updates."""
   clock = [0.0]
   monkeypatch.setattr(module, name, lambda: clock[0])
   serve = online.Step.serve
 
   def timed_serve(self, *args, **kwargs):
     state, out = serve(self, *args, **kwargs)
-    clock[0] += 1.0 if np.asarray(out.did_update).any() else 0.1
+    clock[0] += 0.1 + (update_s if np.asarray(out.did_update).any() else 0.0)
     return state, out
 
   monkeypatch.setattr(online.Step, "serve", timed_serve)
 
 
-def _stream_with_clock(monkeypatch, budget: float) -> dict:
-  _fake_clock(monkeypatch, driver, "_host_seconds")
+def _stream_with_clock(monkeypatch, budget: float, payback: float = 0.0,
+                       update_s: float = 0.9) -> dict:
+  _fake_clock(monkeypatch, driver, "_host_seconds", update_s)
   # A ring (no clear): exactly one update per 2 requests, however they finish.
   return serve_stream(QUERIES[:24], dataclasses.replace(MAIN, update_interval=2,
                                                         clear_after_update=False),
-                      devices=1, num_slots=2, learning_budget=budget)
+                      devices=1, num_slots=2, learning_budget=budget,
+                      learning_payback=payback)
 
 
 def test_the_driver_holds_updates_to_their_share_of_the_clock(monkeypatch):
@@ -150,6 +158,20 @@ def test_the_driver_holds_updates_to_their_share_of_the_clock(monkeypatch):
   assert sorted(r["request"] for r in held["records"]) == list(range(24))
   serving_s = max(r["finished_s"] for r in held["records"])
   assert sum(r["update_s"] for r in updates(held)) <= 0.2 * serving_s + 0.9
+
+
+def test_the_driver_learns_within_what_the_learned_draft_saved(monkeypatch):
+  """The tiny pair's draft has most of its proposals accepted: cheap updates
+  are all paid for, dear ones only the first (free) one."""
+  cheap = _stream_with_clock(monkeypatch, 0.0, payback=0.5, update_s=0.01)
+  dear = _stream_with_clock(monkeypatch, 0.0, payback=0.5, update_s=100.0)
+  count = lambda run: int(run["state"].num_updates[0])
+  assert count(cheap) == 12 and count(dear) == 1
+  for run in (cheap, dear):
+    saved = [r["draft_saved_s"] for r in run["records"]]
+    accepted = [r["accepted"] for r in run["records"]]
+    assert sum(saved) > 0 and all((s > 0) == (a > 0) for s, a in zip(saved, accepted))
+  assert sorted(r["request"] for r in dear["records"]) == list(range(24))
 
 
 def ring_engine(**live_fields) -> live.LiveEngine:
@@ -183,18 +205,28 @@ def serve_all(engine: live.LiveEngine, queries) -> list[list[int]]:
   return tokens
 
 
-def _live_updates(monkeypatch, budget: float) -> int:
+def _live_updates(monkeypatch, budget: float, payback: float = 0.0,
+                  update_s: float = 0.9) -> tuple[int, live.LiveEngine]:
   """Updates of the live engine over 24 requests, its clock a _fake_clock."""
-  _fake_clock(monkeypatch, live, "_busy_clock")
-  engine = ring_engine(learning_budget=budget)
+  _fake_clock(monkeypatch, live, "_busy_clock", update_s)
+  engine = ring_engine(learning_budget=budget, learning_payback=payback)
   serve_all(engine, QUERIES[:24])
   monkeypatch.undo()
-  return int(np.asarray(engine._state.num_updates).sum())  # pylint: disable=protected-access
+  return int(np.asarray(engine._state.num_updates).sum()), engine  # pylint: disable=protected-access
 
 
 def test_the_live_engine_holds_updates_to_their_share_of_its_time(monkeypatch):
-  assert _live_updates(monkeypatch, 0.0) == 12
-  assert 1 <= _live_updates(monkeypatch, 0.2) < 12
+  assert _live_updates(monkeypatch, 0.0)[0] == 12
+  assert 1 <= _live_updates(monkeypatch, 0.2)[0] < 12
+
+
+def test_the_live_engine_learns_within_what_the_learned_draft_saved(monkeypatch):
+  assert _live_updates(monkeypatch, 0.0, payback=0.5, update_s=0.01)[0] == 12
+  updates, engine = _live_updates(monkeypatch, 0.0, payback=0.5, update_s=100.0)
+  assert updates == 1  # the free one
+  saved = engine._learning.saved_seconds  # pylint: disable=protected-access
+  assert saved > 0
+  assert "osd:draft_saved_seconds " in engine.metrics.render()
 
 
 def make_inserts_late(monkeypatch, step, clock: list) -> None:

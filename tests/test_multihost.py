@@ -25,7 +25,6 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 TIMEOUT_S = 240  # for all processes together; a normal run takes well under 2 min
-TIMING = ("queue_s", "ttft_s", "itl_s", "finished_s", "update_s")  # the workers drop these
 
 
 def _free_port() -> int:

@@ -35,6 +35,8 @@ from osd_jax.serving.program_maps import memory_maps
 # Per-row running sums of speculative.Metrics.
 ROW_METRICS = ("proposed", "accepted", "target_calls", "emitted", "alpha_sum",
                "alpha_count")
+# Record fields read off the serving clock: they differ from run to run.
+CLOCK_FIELDS = ("queue_s", "ttft_s", "itl_s", "finished_s", "update_s", "draft_saved_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +223,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                  state: online.OnlineState | None = None,
                  compile_first: bool = False,
                  pauses: Sequence[int] = (),
-                 learning_budget: float = 0.0) -> Iterator[online.OnlineState]:
+                 learning_budget: float = 0.0,
+                 learning_payback: float = 0.0) -> Iterator[online.OnlineState]:
   """Serves `queries` in order with continuous batching, learning online.
 
   A generator: it pauses before each request index in `pauses` (every
@@ -234,8 +237,9 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   end. `on_request` receives one record per request as it finishes (served) or is
   refused (`error`). `compile_first` compiles every program the stream may
   call before serving it, so its records time serving alone.
-  `learning_budget` is the share of the serve calls' time updates may take
-  (learning_budget.py; 0: no limit; a resumed run starts its count afresh).
+  `learning_budget` is the share of the serve calls' time updates may take,
+  and `learning_payback` the share of what the learned draft saved
+  (learning_budget.py; 0: no limit; a resumed run starts its counts afresh).
   """
   devices = mesh.size
   if num_slots % devices:
@@ -290,7 +294,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
   first_token: dict[int, tuple[float, float]] = {}  # (call start, call end)
   call_start = start_time
   per_device = num_slots // devices
-  learning = LearningBudget(learning_budget if cfg.learn else 0.0)
+  learning = (LearningBudget(learning_budget, learning_payback) if cfg.learn
+              else LearningBudget(0.0))
 
   def ids_of(index: int) -> list[int]:
     if index not in ids_cache:
@@ -396,7 +401,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
     did, trained = np.asarray(out.did_update), np.asarray(out.trained)
     # An update split over calls costs in each of them; it is reported with
     # the call that finishes it.
-    unreported["update_s"] += learning.record(shape, seconds, bool(trained.any()))
+    unreported["update_s"] += learning.record(shape, seconds, bool(trained.any()),
+                                              bool(did.any()))
     unreported["update_skipped"] |= bool(np.asarray(out.skipped)[trained].sum() > 0)
     if did.any():
       unreported["updates"] += 1
@@ -441,6 +447,11 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
       # Calls that finish a request end early (with refill): a shape of their own.
       report_updates(out, (window, batch, bool(records)), seconds, records)
       for record in records:
+        # A gated hybrid's learned draft served some of the accepted tokens;
+        # any other learning draft all of them.
+        if cfg.learn:
+          record["draft_saved_s"] = learning.finished(
+              record["new_tokens"], record.get("draft_accepted", int(record["accepted"])))
         on_request(record)
       host.calls += 1
       if checkpoint_every and host.served - last_saved >= checkpoint_every:

@@ -13,12 +13,20 @@ An update's cost is read off the clock: the seconds of the call that ran it
 minus what calls of the same shape (the caller's key: window, slots, ...)
 take without one.
 
-A payback p ties learning to what it is for: updates may take at most p of
-the seconds speculation has saved so far (what the caller books: a
-speculative call's tokens at the plain calls' measured rate, less its own
-time; negative where it lost). With p <= 1 a server that learns stays at
-least as fast as the target alone over its life; where speculation saves
-nothing (many clients on a CPU), it does not learn until it saves again.
+A payback p ties learning to what it is for, a draft that serves more: updates
+may take at most p of the seconds the learned draft has saved so far. The
+caller books each finished request's tokens and, of them, the ones the
+learned draft proposed and got accepted (`finished`); each of those is
+priced at what a token has cost the serve calls so far (their seconds, less
+the updates', over the tokens served). The price is low, since speculation
+already made those tokens cheap, and the draft's rejected proposals are not
+charged: p <= 0.5 leaves them room. Lookup's tokens earn nothing: the
+updates do not change lookup. The first update is free, so a draft can show
+what it learns; each later one waits until p of what the learned draft
+saved covers every update before it. Where the learned draft serves nothing (lookup
+covers the stream, or verification costs so much that the gate keeps the
+draft idle) learning stops after one update, and resumes when the draft
+earns again.
 """
 
 # Weight of the newest call in a shape's running mean of call seconds.
@@ -33,13 +41,14 @@ class LearningBudget:
       raise ValueError(f"The learning budget is a share of serving time in [0, 1),"
                        f" got {share}.")
     if not 0.0 <= payback <= 1.0:
-      raise ValueError(f"The learning payback is a share of the seconds speculation"
-                       f" saved, in [0, 1], got {payback}.")
+      raise ValueError(f"The learning payback is a share of the seconds the learned"
+                       f" draft saved, in [0, 1], got {payback}.")
     self.share, self.payback = share, payback
     self.serving_seconds = 0.0  # of every serve call so far
-    self.saved_seconds = 0.0  # what speculation saved so far (payback)
+    self.saved_seconds = 0.0  # what the learned draft saved so far (payback)
+    self.tokens = 0  # served by the requests booked so far
     self.update_seconds = 0.0  # the estimated cost of every update so far
-    self.updates = 0
+    self.updates = 0  # completed
     self._plain: dict = {}  # shape -> mean seconds of a call without an update
 
   def allows(self, agree=lambda flag: flag) -> bool:
@@ -49,17 +58,25 @@ class LearningBudget:
     if not (self.share or self.payback):
       return True
     fits = not self.share or self.update_seconds <= self.share * self.serving_seconds
-    # Strictly: the first update waits until speculation has saved something.
-    paid = not self.payback or self.update_seconds < self.payback * self.saved_seconds
+    paid = (not self.payback or not self.updates
+            or self.update_seconds <= self.payback * self.saved_seconds)
     return agree(fits and paid)
 
-  def saved(self, seconds: float) -> None:
-    """Books what a call saved against the target alone (negative: lost)."""
-    self.saved_seconds += seconds
+  def finished(self, tokens: int, drafted: int) -> float:
+    """Books a finished request: `tokens` served, `drafted` of them the
+    learned draft's, proposed and accepted. Returns what those saved."""
+    self.tokens += tokens
+    price = (self.serving_seconds - self.update_seconds) / max(self.tokens, 1)
+    saved = drafted * max(price, 0.0)
+    self.saved_seconds += saved
+    return saved
 
-  def record(self, shape, seconds: float, updated: bool) -> float:
-    """Books a call of `shape` that took `seconds`; returns the seconds its
-    update cost (0 without one)."""
+  def record(self, shape, seconds: float, updated: bool,
+             completed: bool | None = None) -> float:
+    """Books a call of `shape` that took `seconds`, with optimizer steps if
+    `updated`, and ending an update if `completed` (default: `updated`; an
+    update split over calls ends in its last); returns the seconds its steps
+    cost (0 without any)."""
     self.serving_seconds += seconds
     plain = self._plain.get(shape)
     if not updated:
@@ -69,5 +86,5 @@ class LearningBudget:
       plain = min(self._plain.values(), default=0.0)
     cost = max(seconds - plain, 0.0)
     self.update_seconds += cost
-    self.updates += 1
+    self.updates += updated if completed is None else completed
     return cost

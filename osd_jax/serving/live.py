@@ -60,9 +60,8 @@ class LiveConfig:
   seed: int = 0  # draws the seeds of requests that bring none
   # Share of the engine's busy time updates may take (learning_budget.py).
   learning_budget: float = 0.0
-  # Share of the seconds speculation saved that updates may take
-  # (learning_budget.py); 0: no such limit. Needs choose_calls: the plain
-  # calls' measured rate is what a speculative call is held against.
+  # Share of the seconds the learned draft saved that updates may take
+  # (learning_budget.py); 0: no such limit.
   learning_payback: float = 0.0
   # Each call speculates or runs the target alone, whichever has been faster
   # at its batch size (call_choice.py; its plain programs compile too);
@@ -127,12 +126,9 @@ class LiveEngine:
     self._key_shape = jax.random.key_data(jax.random.key(0)).shape  # the PRNG's
     self._counts = self._counters()  # (updates, skipped, last loss) after the last call
     self._updates_saved = self._counts[0]
-    if cfg.learn and live.learning_payback and not self.calls.enabled:
-      raise ValueError("A learning payback needs calls that choose between"
-                       " speculating and the target alone (choose_calls, k > 0):"
-                       " what speculation saved is measured against the plain calls.")
     self._learning = (LearningBudget(live.learning_budget, live.learning_payback)
                       if cfg.learn else LearningBudget(0.0))
+    self._speculation_saved = 0.0  # by speculative calls, against plain ones
     self._thread: threading.Thread | None = None
     self._compiler: threading.Thread | None = None  # compiles while serving
     self._ready = threading.Event()  # warmed up: requests are taken
@@ -483,8 +479,8 @@ class LiveEngine:
   def _serve_once(self) -> None:
     """One compiled call over every slot; new tokens out, finished requests done."""
     occupied = self._occupied()
-    # Of the call's StepOutput only whether it trained: the state holds the
-    # update counts.
+    # Of the call's StepOutput only whether it trained and whether an update
+    # ended: the state holds the update counts.
     needs = (self.cfg.window(int(self._lengths[occupied].max())),
              slot_lib.occupied_batch(occupied, self.live.num_slots // self.mesh.size))
     # The choice is per load (slots in use), between the programs serving it.
@@ -504,18 +500,18 @@ class LiveEngine:
         may_update=self._learning.allows(distributed.all_agree), plain=plain)
     slots = self._state.slots
     (done, lengths, prompt_lens, tokens, updates, skipped, loss,
-     trained) = distributed.gather(
+     trained, completed) = distributed.gather(
         (slots.done, slots.lengths, slots.prompt_lens, slots.tokens,
          self._state.num_updates, self._state.num_skipped, self._state.last_loss,
-         out.trained))
+         out.trained, out.did_update))
     seconds = _busy_clock() - start
     # A split update's steps cost in every call that takes some; the choice
     # of call compares serving without them.
     learning = self._learning.record((window, batch, plain), seconds,
-                                     bool(trained.any()))
+                                     bool(trained.any()), bool(completed.any()))
     emitted = int((lengths - self._lengths)[occupied].sum())
-    self._learning.saved(self.calls.seconds_saved(needs[1], plain, seconds - learning,
-                                                  emitted))
+    self._speculation_saved += self.calls.seconds_saved(needs[1], plain,
+                                                        seconds - learning, emitted)
     self.calls.record(needs[1], plain, seconds - learning, emitted)
     self._lengths = lengths.astype(np.int64)
     self._counts = int(updates.sum()), int(skipped.sum()), float(loss[0])
@@ -536,9 +532,15 @@ class LiveEngine:
         finished.append((s, generated))
     if finished:
       metrics = distributed.gather(slots.metrics)
+      # A gated hybrid's learned draft served some of the accepted tokens;
+      # any other draft all of them.
+      drafted = online.learned_draft_counts(slots)
+      accepted = (metrics.accepted if drafted is None
+                  else distributed.gather(drafted[1]))
       for s, generated in finished:
         last = int(tokens[s, prompt_lens[s] + generated - 1]) if generated else -1
         reason = "eos" if last == self.target.config.eos_id else "length"
+        self._learning.finished(generated, int(accepted[s]))
         self._finish(s, reason, metrics, generated)
     if (self.live.checkpoint_every and self.checkpointer is not None
         and self._counts[0] - self._updates_saved >= self.live.checkpoint_every):
@@ -591,7 +593,8 @@ class LiveEngine:
                             plain_calls=self.calls.calls[True],
                             serve_seconds=self._learning.serving_seconds,
                             update_seconds=self._learning.update_seconds,
-                            saved_seconds=self._learning.saved_seconds)
+                            saved_seconds=self._speculation_saved,
+                            draft_saved_seconds=self._learning.saved_seconds)
 
   def _save(self) -> None:
     if self.checkpointer is None:

@@ -159,18 +159,23 @@ def learning_lines(summaries: list[dict]) -> str:
     if parts:
       lines.append(f"{s['run']} learned draft: " + "; ".join(parts))
     if s.get("updates"):
-      lines.append(f"{s['run']} learning: {s['updates']} updates,"
-                   f" {s['update_s']:.1f} s, {s['update_share']:.1%} of serving time")
+      lines.append(f"{s['run']} learning: {s['updates']}"
+                   f" update{'s' if s['updates'] != 1 else ''},"
+                   f" {s['update_s']:.1f} s, {s['update_share']:.1%} of serving time"
+                   + (f"; the learned draft saved about {s['draft_saved_s']:.1f} s"
+                      if "draft_saved_s" in s else ""))
   return "\n".join(lines)
 
 
 def learning_cost(records: list[dict]) -> dict:
   """Updates, their seconds, and those seconds' share of the serving time
-  (the last finish on the serving clock, updates included)."""
+  (the last finish on the serving clock, updates included); what the
+  learned draft's accepted tokens saved, as the learning payback prices them."""
   seconds = sum(r.get("update_s", 0.0) for r in records)
   serving = max((r.get("finished_s", 0.0) for r in records), default=0.0)
   return {"updates": sum(r.get("updates", 0) for r in records), "update_s": seconds,
-          "update_share": seconds / serving if serving > 0 else 0.0}
+          "update_share": seconds / serving if serving > 0 else 0.0,
+          "draft_saved_s": sum(r.get("draft_saved_s", 0.0) for r in records)}
 
 
 def acceptance_by_position(records: list[dict]) -> list[float]:

@@ -50,7 +50,8 @@ class ServerMetrics:
     self._gauges = {"queue_depth": 0, "slots_in_use": 0, "draft_updates": 0,
                     "draft_updates_skipped": 0, "draft_last_loss": float("nan"),
                     "serve_calls": 0, "plain_calls": 0, "serve_seconds": 0.0,
-                    "update_seconds": 0.0, "saved_seconds": 0.0}
+                    "update_seconds": 0.0, "saved_seconds": 0.0,
+                    "draft_saved_seconds": 0.0}
 
   def observe(self, stats: RequestStats, reason: str, **gauges) -> None:
     """Adds one finished request (reason: stop, length or abort), and sets
@@ -69,7 +70,7 @@ class ServerMetrics:
   def set_engine(self, **gauges) -> None:
     """queue_depth, slots_in_use, draft_updates, draft_updates_skipped,
     draft_last_loss, serve_calls, plain_calls, serve_seconds,
-    update_seconds, saved_seconds."""
+    update_seconds, saved_seconds, draft_saved_seconds."""
     with self._lock:
       self._set(gauges)
 
@@ -127,6 +128,10 @@ class ServerMetrics:
              " tokens at the plain calls' measured rate, less their time;"
              " negative: lost; 0 until plain calls are timed).",
              [("", g["saved_seconds"])])
+      metric("osd:draft_saved_seconds", "gauge",
+             "Seconds the learned draft's accepted tokens saved, at what a served"
+             " token has cost: what --learning_payback spends.",
+             [("", g["draft_saved_seconds"])])
       metric("osd:rolling_alpha", "gauge",
              f"Mean alpha of the last {self._alphas.maxlen} finished requests.",
              [("", alpha)])
