@@ -142,7 +142,7 @@ async def _requests(url: str, questions: list[str], concurrency: int,
 RUNS = {"target": ["--k=0", "--nolearn"], "static": ["--nolearn"], "online": ["--learn"],
         "online_unpaid": ["--learn", "--learning_payback=0"],
         "static_always": ["--nolearn", "--speculate=always"],
-        "online_always": ["--learn", "--speculate=always", "--learning_payback=0"],
+        "online_always": ["--learn", "--speculate=always"],
         "static_every_position": ["--nolearn", "--position_costs=off",
                                   "--speculate=always"],
         "static_batch_k": ["--nolearn"], "online_batch_k": ["--learn"]}

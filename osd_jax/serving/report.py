@@ -161,9 +161,8 @@ def learning_lines(summaries: list[dict]) -> str:
     if s.get("updates"):
       lines.append(f"{s['run']} learning: {s['updates']}"
                    f" update{'s' if s['updates'] != 1 else ''},"
-                   f" {s['update_s']:.1f} s, {s['update_share']:.1%} of serving time"
-                   + (f"; the learned draft saved about {s['draft_saved_s']:.1f} s"
-                      if "draft_saved_s" in s else ""))
+                   f" {s['update_s']:.1f} s, {s['update_share']:.1%} of serving time;"
+                   f" the learned draft saved about {s['draft_saved_s']:.1f} s")
   return "\n".join(lines)
 
 
