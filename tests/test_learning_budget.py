@@ -74,6 +74,24 @@ def test_a_payback_spends_only_what_the_learned_draft_saved():
     LearningBudget(0.1, payback=1.5)
 
 
+def test_a_request_keeps_its_sample_if_an_update_could_follow_within_the_horizon():
+  budget = LearningBudget(0.0, payback=0.5)
+  assert budget.worth_keeping(0)  # for the free update
+  budget.record("s", 1.0, updated=False)
+  budget.finished(10, 5)  # one request saved 0.5 s
+  budget.record("s", 3.0, updated=True)  # 2 s of updates: needs 4 s saved
+  assert not budget.allows()
+  # At 0.5 s a request, 7 more requests make 4 s; 6 make 3.5 s.
+  assert budget.worth_keeping(7) and not budget.worth_keeping(6)
+  assert not budget.worth_keeping(7, agree=lambda flag: False)
+  share = LearningBudget(0.1)  # 1 s of updates needs 10 s of serving
+  share.record("s", 1.0, updated=False)
+  share.finished(1, 0)
+  share.record("s", 2.0, updated=True)
+  assert not share.allows() and share.worth_keeping(3) and not share.worth_keeping(2)
+  assert LearningBudget(0.0).worth_keeping(0, agree=lambda flag: pytest.fail("asked"))
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.0])
 def test_a_share_outside_0_1_is_refused(share):
   with pytest.raises(ValueError, match="learning budget"):
@@ -167,6 +185,13 @@ def test_the_driver_learns_within_what_the_learned_draft_saved(monkeypatch):
   dear = _stream_with_clock(monkeypatch, 0.0, payback=0.5, update_s=100.0)
   count = lambda run: int(run["state"].num_updates[0])
   assert count(cheap) == 12 and count(dear) == 1
+  # Once no update can follow, requests keep no sample (the ring holds 24).
+  learned = lambda run: [r["learned"] for r in sorted(run["records"],
+                                                      key=lambda r: r["served"])]
+  assert all(learned(cheap))
+  assert 2 <= sum(learned(dear)) < 8 and not any(learned(dear)[8:])
+  for run in (cheap, dear):
+    assert int(np.asarray(run["state"].buffer.is_valid).sum()) == sum(learned(run))
   for run in (cheap, dear):
     saved = [r["draft_saved_s"] for r in run["records"]]
     accepted = [r["accepted"] for r in run["records"]]
@@ -224,6 +249,8 @@ def test_the_live_engine_learns_within_what_the_learned_draft_saved(monkeypatch)
   assert _live_updates(monkeypatch, 0.0, payback=0.5, update_s=0.01)[0] == 12
   updates, engine = _live_updates(monkeypatch, 0.0, payback=0.5, update_s=100.0)
   assert updates == 1  # the free one
+  # Then requests keep no sample: the ring (24) holds the few before it.
+  assert 2 <= int(np.asarray(engine._state.buffer.is_valid).sum()) < 8  # pylint: disable=protected-access
   saved = engine._learning.saved_seconds  # pylint: disable=protected-access
   assert saved > 0
   assert "osd:draft_saved_seconds " in engine.metrics.render()

@@ -237,6 +237,7 @@ def admit(step, mesh, target_params, state, requests: dict):
   route = rows(np.zeros((devices,), np.int32))
   keys = rows(speculative.row_keys(jax.random.key(0), devices))
   sampling = rows(RowSampling.fill(step.cfg.sampling or Sampling(), devices))
+  keep = rows(np.ones((devices,), bool))
   pending = dict(requests)
   while pending:
     picks = {}
@@ -252,7 +253,7 @@ def admit(step, mesh, target_params, state, requests: dict):
       prompts[device, :len(ids)] = ids
       lens[device], slot[device] = len(ids), s % per_device
     state = step.insert(target_params, state, rows(prompts), rows(lens), budget,
-                        rows(slot), route, keys, sampling)
+                        rows(slot), route, keys, sampling, keep)
   return state
 
 

@@ -124,7 +124,8 @@ def served_buffer(params, prompts_NxP, lens_N, rng, sampling, draft_params=None,
     return state, records.record(result, corrected_only=False)
 
   state, records = slot_lib.decode_loop(
-      step, state, Records.empty(N, MAX_LEN, VOCAB, 0), GEN_LEN)
+      step, state, Records.empty(N, MAX_LEN, VOCAB, 0).replace(keeps=jnp.ones(N, bool)),
+      GEN_LEN)
   rows = record_samples(records, state, max_len=MAX_LEN, gen_len=GEN_LEN,
                         weighting="all")
   prompts = state.draft if keep_prompts else None

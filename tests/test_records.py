@@ -29,8 +29,9 @@ def step(start, kept, accepted):
 STEPS = ((2, 1, False), (3, 2, True), (1, 0, True), (2, 1, False))
 
 
-def served(**record_kw):
-  records, start = Records.empty(1, S, 2, 0), PROMPT_LEN
+def served(keep=True, **record_kw):
+  records = Records.empty(1, S, 2, 0).with_prompt(0, None, jax.random.key(0), keep)
+  start = PROMPT_LEN
   for kept, accepted, missed in STEPS:
     records = records.record(step(start, kept, accepted),
                              lookup_missed=jnp.asarray([missed]), **record_kw)
@@ -64,6 +65,16 @@ def test_weights_stop_at_the_end_of_the_output():
 
 def test_a_new_request_gets_an_id_from_its_key():
   records = Records.empty(2, S, 0, 0)
-  a = records.with_prompt(1, None, jax.random.key(3))
-  b = records.with_prompt(1, None, jax.random.key(4))
+  a = records.with_prompt(1, None, jax.random.key(3), True)
+  b = records.with_prompt(1, None, jax.random.key(4), True)
   assert int(a.uid[0]) == 0 and int(a.uid[1]) != 0 and int(a.uid[1]) != int(b.uid[1])
+
+
+def test_a_request_that_keeps_no_sample_records_nothing():
+  """Where no row keeps its sample, a step writes none of its teacher."""
+  kept, _ = served(corrected_only=False)
+  skipped, _ = served(keep=False, corrected_only=False)
+  assert kept.teacher_probs.any() and kept.lookup_missed.any()
+  empty = Records.empty(1, S, 2, 0)
+  for field in ("is_corrected", "teacher_ids", "teacher_probs", "lookup_missed"):
+    np.testing.assert_array_equal(getattr(skipped, field), getattr(empty, field))

@@ -140,7 +140,8 @@ def warm_up(step: online.Step, target_params, state: online.OnlineState,
                           rows(np.ones(devices, np.int32)),
                           rows(np.ones(devices, np.int32)),
                           rows(np.full(devices, -1, np.int32)),
-                          rows(np.zeros(devices, np.int32)), keys, sampling)
+                          rows(np.zeros(devices, np.int32)), keys, sampling,
+                          rows(np.zeros(devices, bool)))
     bar.update(1)
   for window in windows:
     for batch in batches:
@@ -349,14 +350,18 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
         host.owner[device * per_device + local] = index
         admitted[index] = clock()
       budget = np.full((devices,), cfg.max_new_tokens, np.int32)
+      # Whether they become samples: one answer for the call, on every host.
+      keep = np.full((devices,), cfg.learn and learning.worth_keeping(
+          cfg.buffer_capacity * devices, distributed.all_agree))
       state = step.insert(target_params, state, rows(prompts), rows(lens),
                           rows(budget), rows(slot), rows(routes),
-                          rows(keys[key_rows]), rows(sampling))
+                          rows(keys[key_rows]), rows(sampling), rows(keep))
 
   def collect() -> list[dict]:
     """Records of the requests that finished in the last call; frees their slots."""
-    done, lengths, prompt_lens = distributed.gather(
-        (state.slots.done, state.slots.lengths, state.slots.prompt_lens))
+    done, lengths, prompt_lens, keeps = distributed.gather(
+        (state.slots.done, state.slots.lengths, state.slots.prompt_lens,
+         state.records.keeps))
     finished = [s for s in range(num_slots) if host.owner[s] >= 0 and done[s]]
     now = clock()
     for s in range(num_slots):
@@ -387,8 +392,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                     ttft_s=first - start_time,
                     itl_s=(now - decoding) / max(record["new_tokens"], 1),
                     finished_s=now - start_time,
-                    learned=bool(cfg.learn and prompt_lens[s] + record["new_tokens"]
-                                 <= cfg.sample_len))
+                    learned=bool(cfg.learn and keeps[s] and prompt_lens[s]
+                                 + record["new_tokens"] <= cfg.sample_len))
       records.append(record)
     return records
 

@@ -74,9 +74,10 @@ def _student_rows(target_params, draft_params, state, rows, rng,
 
 def has_work(state, finished, may_update, *, cfg, axis_name):
   """Whether `learn` would do anything but split the rng after a call in
-  which `finished` requests finished: buffer one, or take an update's steps
-  (one is due, or split over calls and not done) where `may_update`."""
-  any_finished = finished.any().astype(jnp.int32)
+  which `finished` requests finished: buffer one that keeps its sample
+  (Records.keeps), or take an update's steps (one is due, or split over
+  calls and not done) where `may_update`."""
+  any_finished = (finished & state.records.keeps).any().astype(jnp.int32)
   if axis_name is not None:
     any_finished = jax.lax.pmax(any_finished, axis_name)
   # since_update counts requests of earlier calls: an update the budget held.
@@ -86,10 +87,11 @@ def has_work(state, finished, may_update, *, cfg, axis_name):
 
 def learn(target_params, state, finished, rng, may_update, *,
           target_config, drafter, cfg, axis_name):
-  """Buffers every finished request with its draft; updates drafts whose turn
-  it is, if `may_update` (else they wait: learning_budget).
+  """Buffers every finished request that keeps its sample with its draft;
+  updates drafts whose turn it is, if `may_update` (else they wait:
+  learning_budget).
 
-  A draft's turn comes every `update_interval` finished requests. Where this
+  A draft's turn comes every `update_interval` buffered requests. Where this
   call's requests would overwrite samples not yet trained on, the update
   trains on those first and buffers the new ones after, for the next. A gated
   hybrid's gate then takes the new draft's acceptance on what it trained on.
@@ -100,6 +102,7 @@ def learn(target_params, state, finished, rng, may_update, *,
   ring the later steps draw from; another update starts only after it.
   """
   slots = state.slots
+  finished = finished & state.records.keeps
   rows = record_samples(state.records, slots, max_len=cfg.sample_len,
                         gen_len=cfg.max_new_tokens, weighting=cfg.loss_weighting)
   if cfg.sample_source != "served":

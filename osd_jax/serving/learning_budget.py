@@ -27,6 +27,12 @@ saved covers every update before it. Where the learned draft serves nothing (loo
 covers the stream, or verification costs so much that the gate keeps the
 draft idle) learning stops after one update, and resumes when the draft
 earns again.
+
+Keeping samples costs too (serving/records.py): the target's top-k at each
+verified position, and a learn program for each finished request. A request
+keeps its sample only where an update could start before the buffer
+(`horizon` requests) has moved past it, at the rates of serving and saving
+so far; otherwise it keeps nothing and its calls pay for neither.
 """
 
 # Weight of the newest call in a shape's running mean of call seconds.
@@ -47,6 +53,7 @@ class LearningBudget:
     self.serving_seconds = 0.0  # of every serve call so far
     self.saved_seconds = 0.0  # what the learned draft saved so far (payback)
     self.tokens = 0  # served by the requests booked so far
+    self.requests = 0  # booked so far
     self.update_seconds = 0.0  # the estimated cost of every update so far
     self.updates = 0  # completed
     self._plain: dict = {}  # shape -> mean seconds of a call without an update
@@ -57,15 +64,28 @@ class LearningBudget:
     on it would run different programs."""
     if not (self.share or self.payback):
       return True
-    fits = not self.share or self.update_seconds <= self.share * self.serving_seconds
+    return agree(self._open(self.serving_seconds, self.saved_seconds))
+
+  def worth_keeping(self, horizon: int, agree=lambda flag: flag) -> bool:
+    """Should a request admitted now keep its sample? Yes where the budget
+    allows an update now or would after `horizon` more requests, each
+    serving and saving as the average request so far did."""
+    if not (self.share or self.payback):
+      return True
+    ahead = 1.0 + horizon / max(self.requests, 1)
+    return agree(self._open(ahead * self.serving_seconds, ahead * self.saved_seconds))
+
+  def _open(self, serving_seconds: float, saved_seconds: float) -> bool:
+    fits = not self.share or self.update_seconds <= self.share * serving_seconds
     paid = (not self.payback or not self.updates
-            or self.update_seconds <= self.payback * self.saved_seconds)
-    return agree(fits and paid)
+            or self.update_seconds <= self.payback * saved_seconds)
+    return fits and paid
 
   def finished(self, tokens: int, drafted: int) -> float:
     """Books a finished request: `tokens` served, `drafted` of them the
     learned draft's, proposed and accepted. Returns what those saved."""
     self.tokens += tokens
+    self.requests += 1
     price = (self.serving_seconds - self.update_seconds) / max(self.tokens, 1)
     saved = drafted * max(price, 0.0)
     self.saved_seconds += saved

@@ -350,7 +350,7 @@ class LiveEngine:
         rows(jax.random.wrap_key_data(np.zeros((devices,) + self._key_shape,
                                                np.uint32))),
         rows(RowSampling(np.zeros(devices, np.float32), np.zeros(devices, np.int32),
-                         np.ones(devices, np.float32))),
+                         np.ones(devices, np.float32))), rows(np.zeros(devices, bool)),
         *self._logprobs_input(np.zeros(devices, bool))))
 
   def _logprobs_input(self, wants: np.ndarray) -> tuple:
@@ -458,6 +458,9 @@ class LiveEngine:
       temperature, top_p = np.zeros(devices, np.float32), np.ones(devices, np.float32)
       top_k = np.zeros(devices, np.int32)
       wants_logprobs = np.zeros(devices, bool)
+      # Whether they become samples: one answer for the call, on every host.
+      keep = np.full(devices, cfg.learn and self._learning.worth_keeping(
+          cfg.buffer_capacity * devices, distributed.all_agree))
       for device, local, request in picks:
         n, p = len(request.prompt_ids), request.params
         prompts[device, :n] = request.prompt_ids
@@ -473,7 +476,7 @@ class LiveEngine:
       self._state = self._step.insert(
           self._target_params, self._state, rows(prompts), rows(lens), rows(budgets),
           rows(slot), rows(routes), rows(jax.random.wrap_key_data(key_data)),
-          rows(RowSampling(temperature, top_k, top_p)),
+          rows(RowSampling(temperature, top_k, top_p)), rows(keep),
           *self._logprobs_input(wants_logprobs))
 
   def _serve_once(self) -> None:

@@ -264,13 +264,14 @@ def init_state(draft_params, drafter, target_config: LlamaConfig, cfg: OnlineCon
 
 
 def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1,
-           slot_1, route_1, key_1, sampling_1: RowSampling, wants_logprobs_1=None, *,
-           target_config, drafter, cfg: OnlineConfig):
+           slot_1, route_1, key_1, sampling_1: RowSampling, keep_1,
+           wants_logprobs_1=None, *, target_config, drafter, cfg: OnlineConfig):
   """One device: a new request into local slot `slot` (none when slot < 0).
 
   `sampling_1` is the request's own sampling, used when cfg.sampling is None;
-  `wants_logprobs_1` whether it asks for log-probs (an input only when
-  cfg.max_logprobs is set).
+  `keep_1` whether, when learning, the request becomes a buffer sample
+  (records.py); `wants_logprobs_1` whether it asks for log-probs (an input
+  only when cfg.max_logprobs is set).
   """
   drafter = multi(drafter, cfg)
   slot_cfg = cfg.slots(target_config, drafter, state.slots.done.shape[0])
@@ -285,7 +286,7 @@ def insert(target_params, state: OnlineState, prompt_1xP, prompt_len_1, budget_1
         False if wants_logprobs_1 is None else wants_logprobs_1[0], cfg=slot_cfg)
     records = state.records
     if cfg.learn:
-      records = records.with_prompt(slot, hidden, key_1[0])
+      records = records.with_prompt(slot, hidden, key_1[0], keep_1[0])
     return state.replace(slots=slots, records=records)
 
   return when(slot_1[0] >= 0, admit, state)
@@ -384,7 +385,7 @@ class Step:
     row = P(AXIS)
     # Whether each request asks for log-probs is an input only where the
     # slots keep them: elsewhere the program is as it was.
-    rows = 7 if cfg.max_logprobs is None else 8
+    rows = 8 if cfg.max_logprobs is None else 9
     self.insert = jax.jit(jax.shard_map(
         functools.partial(insert, **self.statics), mesh=mesh,
         in_specs=(P(), _STATE_SPECS) + (row,) * rows,

@@ -4,6 +4,13 @@ Verification already computes the teacher: the target's distribution
 predicting every emitted token, and its hidden state at every verified
 position. Each step writes those for the tokens it kept; when a request
 finishes, its row becomes one buffer sample.
+
+Only requests that keep their sample write anything. Keeping costs the
+target's top-k at every verified position, each step (4-5 ms of a 105 ms
+call at one slot on a 2-core CPU), and buffering costs a learn program per
+finished request (about 9 ms): where no update can follow, the host admits
+requests that keep nothing (LearningBudget.worth_keeping), and their calls
+pay for neither.
 """
 
 import flax
@@ -12,6 +19,7 @@ import jax.numpy as jnp
 
 from osd_jax.decoding.speculative import SpecState, StepResult
 from osd_jax.distillation import teacher
+from osd_jax.when import when
 
 
 @flax.struct.dataclass
@@ -29,6 +37,7 @@ class Records:
   # lookup_missed). All False for other drafts.
   lookup_missed: jax.Array  # [B, S] bool
   uid: jax.Array  # [B] uint32, the slot's request (Buffer.uid)
+  keeps: jax.Array  # [B] bool: the slot's request becomes a sample
 
   @classmethod
   def empty(cls, batch_size: int, size: int, teacher_k: int,
@@ -38,17 +47,18 @@ class Records:
                jnp.zeros((batch_size, size, teacher_k), jnp.float32),
                jnp.zeros((batch_size, size, hidden_dim), jnp.bfloat16),
                jnp.zeros((batch_size, size), bool),
-               jnp.zeros((batch_size,), jnp.uint32))
+               jnp.zeros((batch_size,), jnp.uint32), jnp.zeros((batch_size,), bool))
 
   @property
   def keeps_hidden(self) -> bool:
     return self.hidden.shape[-1] > 0
 
-  def with_prompt(self, row, hidden_1xPxD: jax.Array, key: jax.Array) -> "Records":
-    """A new request in `row`: its id from its sampling `key`, its prompt's
-    features (nothing else is read stale)."""
+  def with_prompt(self, row, hidden_1xPxD: jax.Array, key: jax.Array,
+                  keep: jax.Array) -> "Records":
+    """A new request in `row`: its id from its sampling `key`, whether it
+    `keep`s its sample, its prompt's features (nothing else is read stale)."""
     records = self.replace(uid=self.uid.at[row].set(
-        jax.random.bits(key, dtype=jnp.uint32)))
+        jax.random.bits(key, dtype=jnp.uint32)), keeps=self.keeps.at[row].set(keep))
     if not self.keeps_hidden:
       return records
     put = hidden_1xPxD.astype(self.hidden.dtype)
@@ -58,7 +68,13 @@ class Records:
   def record(self, result: StepResult, *, corrected_only: bool,
              lookup_missed: jax.Array | None = None) -> "Records":
     """Writes what one step saw at the positions of the tokens it kept;
-    `lookup_missed` [B]: the hybrid's lookup proposed nothing for the row."""
+    `lookup_missed` [B]: the hybrid's lookup proposed nothing for the row.
+    A step in which no row keeps its sample writes nothing."""
+    return when(self.keeps.any(), lambda records: records._write(
+        result, corrected_only, lookup_missed), self)
+
+  def _write(self, result: StepResult, corrected_only: bool,
+             lookup_missed: jax.Array | None) -> "Records":
     k1 = result.emitted.shape[1]
     corrected = jnp.arange(k1) == result.num_accepted[:, None]
     records = self.replace(is_corrected=_put(self.is_corrected, corrected,
