@@ -1,11 +1,10 @@
-"""Entry points as a user meets them: one-line user errors, quiet library logs.
+"""Entry points as a user meets them: one-line user errors (quiet library
+logs: tests/test_online_main.py).
 
 Each test runs a real entry point (`python -m experiments...`) in a subprocess.
 """
 
 import json
-import os
-import re
 import subprocess
 import sys
 
@@ -15,16 +14,11 @@ import pytest
 from experiments import cli, paper
 from osd_jax.checkpoints import layout, loading
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ABSL_INFO = re.compile(r"^I\d{4} ", re.M)  # absl's INFO prefix, e.g. "I1201 09:19:22"
+from tests.entry_points import ROOT, one_device_env
 
 
-def run(*args: str, data_dir: str | None = None) -> subprocess.CompletedProcess:
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
-  if data_dir:
-    env["OSD_JAX_DATA_DIR"] = data_dir
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
+def run(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=one_device_env(),
                         capture_output=True, text=True, timeout=900)
 
 
@@ -147,24 +141,6 @@ def test_library_info_logs_only_with_verbosity():
   assert quiet.returncode == verbose.returncode == 0
   assert "a warning" in quiet.stderr and "library detail" not in quiet.stderr
   assert "library detail" in verbose.stderr
-
-
-@pytest.mark.real_model
-def test_online_run_shows_no_library_logs(tmp_path):
-  """No orbax INFO lines, no tfds banners or bars: the run's own lines only."""
-  done = run("-m", "experiments.online", "--stream=single", "--domains=math",
-             "--num_requests=4", "--slots=1", "--warm_start=none",
-             "--max_new_tokens=4", "--cache_size=128", "--steps_per_call=4",
-             "--runs=online", f"--output_dir={tmp_path / 'out'}",
-             data_dir=str(tmp_path / "data"))  # data sets built afresh
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert (tmp_path / "out" / "checkpoints").is_dir()  # orbax did save
-  output = done.stdout + done.stderr
-  assert not ABSL_INFO.search(output), ABSL_INFO.findall(output)[:5]
-  for noise in ("orbax", "Downloading and preparing", "Generating splits",
-                "Shuffling", "PyTorch was not found"):
-    assert noise not in output, noise
-  assert re.search(r"\[online\] \d+ s of serving", done.stdout), done.stdout
 
 
 # --- shared flags an entry point does not read, and bad flag values ---------

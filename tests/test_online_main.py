@@ -2,18 +2,21 @@
 
 Runs `python -m experiments.online` as a user would (four passes over one
 stream: target-only, static draft, online, n-gram lookup) and checks what it
-writes.
+writes, and that it prints its own lines only.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.entry_points import ROOT, one_device_env
+
+ABSL_INFO = re.compile(r"^I\d{4} ", re.M)  # absl's INFO prefix, e.g. "I1201 09:19:22"
 RUNS = ("target", "static", "online", "ngram")
 NUM_REQUESTS = 8
 
@@ -31,11 +34,17 @@ def test_main_job_writes_passes_summary_plots_and_checkpoints(tmp_path):
          # Full-width verification: the trimmed one compiles a branch per
          # width for each pass; tests/test_online.py covers it.
          "--notrim_verify"]
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
+  env = one_device_env(OSD_JAX_DATA_DIR=str(tmp_path / "data"))  # built afresh
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=1500)
   assert done.returncode == 0, done.stderr[-3000:]
+  # No orbax INFO lines, no tfds banners or bars: the run's own lines only.
+  output = done.stdout + done.stderr
+  assert not ABSL_INFO.search(output), ABSL_INFO.findall(output)[:5]
+  for noise in ("orbax", "Downloading and preparing", "Generating splits",
+                "Shuffling", "PyTorch was not found"):
+    assert noise not in output, noise
+  assert re.search(r"\[online\] \d+ s of serving", done.stdout), done.stdout
   for name in ("alpha.png", "speed.png", "summary.json", "checkpoints",
                *(f"{run}.jsonl" for run in RUNS), *(f"{run}.done" for run in RUNS)):
     assert (out / name).exists(), name

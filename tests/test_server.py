@@ -458,7 +458,9 @@ def smollm2_server(smollm2, tmp_path_factory):
     server.wait_ready(300)
     yield served
   finally:
-    server.stop()
+    # Killed: a stop would wait for the program it is compiling while serving
+    # (30 s of the real model's); the SIGTERM test stops the tiny one gracefully.
+    server.stop(signal.SIGKILL)
 
 
 @pytest.mark.real_model
