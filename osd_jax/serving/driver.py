@@ -350,8 +350,9 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
         host.owner[device * per_device + local] = index
         admitted[index] = clock()
       budget = np.full((devices,), cfg.max_new_tokens, np.int32)
-      # Whether they become samples: one answer for the call, on every host.
-      keep = np.full((devices,), cfg.learn and learning.worth_keeping(
+      # Whether they become samples (read only when learning): one answer
+      # for the call, on every host.
+      keep = np.full((devices,), learning.worth_keeping(
           cfg.buffer_capacity * devices, distributed.all_agree))
       state = step.insert(target_params, state, rows(prompts), rows(lens),
                           rows(budget), rows(slot), rows(routes),
@@ -392,8 +393,8 @@ def serve_stream(target: LoadedModel, draft: Draft, queries: Sequence[Query],
                     ttft_s=first - start_time,
                     itl_s=(now - decoding) / max(record["new_tokens"], 1),
                     finished_s=now - start_time,
-                    learned=bool(cfg.learn and keeps[s] and prompt_lens[s]
-                                 + record["new_tokens"] <= cfg.sample_len))
+                    learned=bool(keeps[s] and prompt_lens[s] + record["new_tokens"]
+                                 <= cfg.sample_len))
       records.append(record)
     return records
 

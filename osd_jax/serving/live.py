@@ -458,8 +458,9 @@ class LiveEngine:
       temperature, top_p = np.zeros(devices, np.float32), np.ones(devices, np.float32)
       top_k = np.zeros(devices, np.int32)
       wants_logprobs = np.zeros(devices, bool)
-      # Whether they become samples: one answer for the call, on every host.
-      keep = np.full(devices, cfg.learn and self._learning.worth_keeping(
+      # Whether they become samples (read only when learning): one answer
+      # for the call, on every host.
+      keep = np.full(devices, self._learning.worth_keeping(
           cfg.buffer_capacity * devices, distributed.all_agree))
       for device, local, request in picks:
         n, p = len(request.prompt_ids), request.params
